@@ -1,0 +1,339 @@
+"""Admission on KV blocks: a per-replica block ledger in the state store, and a fair queue.
+
+A request is admitted onto a replica only if the blocks kvgate has reserved there (by every
+instance sharing the store) plus this request's worst case stay within `target_utilization`
+× the replica's `num_gpu_blocks`. Otherwise it waits in its pool's `FairQueue` for at most
+`max_wait_s`, or is refused with 429 and an honest `Retry-After`; a request that cannot fit
+on any replica of its pool even when empty gets 400 at once.
+
+Each reservation is a lease (`ledger:<replica>`) that `LeaseKeeper` renews while the request
+runs; if this instance dies, its leases expire and the capacity returns. `Admission.admit` is
+an async context manager: leaving it — completion, error, disconnect, cancellation — releases
+the lease exactly once.
+
+Head-of-line order: a queued request that does not fit yet blocks those behind it in the same
+pool (as vLLM's own waiting queue does), so large requests are never starved by small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvgate.config import AdmissionConfig
+from kvgate.errors import NeverFits, NoReplica, RateLimited
+from kvgate.metrics import Metrics
+from kvgate.queue import FairQueue, Ticket
+from kvgate.replicas import Replica
+from kvgate.state.base import StateStore
+
+# While requests wait, look at the shared ledger at least this often: other instances'
+# releases are not announced to this one.
+POLL_INTERVAL_S = 0.05
+
+
+def ledger_key(replica: Replica) -> str:
+    return f"ledger:{replica.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request needs: its worst case in tokens, and who asks."""
+
+    pool: str
+    worst_tokens: int
+    tenant: str
+    priority: str
+
+    def blocks_on(self, replica: Replica) -> int:
+        return math.ceil(self.worst_tokens / (replica.block_size or 16))
+
+
+@dataclass(slots=True)
+class Slot:
+    """An admitted request's hold on a replica."""
+
+    replica: Replica
+    lease_id: str
+    blocks: int
+    queued_s: float
+    released: bool = False
+
+
+def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
+    total = replica.num_gpu_blocks
+    return None if total is None else int(total * config.target_utilization)
+
+
+class LeaseKeeper:
+    """Renews the leases this instance holds, every ttl/3, until they are released."""
+
+    def __init__(self, store: StateStore, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._live: dict[str, set[str]] = {}
+
+    def add(self, pool: str, lease_id: str) -> None:
+        self._live.setdefault(pool, set()).add(lease_id)
+
+    def discard(self, pool: str, lease_id: str) -> None:
+        leases = self._live.get(pool)
+        if leases is not None:
+            leases.discard(lease_id)
+            if not leases:
+                del self._live[pool]
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            for pool, leases in list(self._live.items()):
+                with contextlib.suppress(Exception):  # next round retries; expiry is the bound
+                    await self.store.renew(pool, list(leases), self.ttl_s)
+
+
+@dataclass(slots=True)
+class _PoolQueue:
+    queue: FairQueue
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    releases: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    worst_cases: deque[int] = field(default_factory=lambda: deque(maxlen=512))
+
+
+class Admission:
+    def __init__(
+        self,
+        store: StateStore,
+        metrics: Metrics,
+        config: Callable[[], AdmissionConfig],
+        keeper: LeaseKeeper,
+        stale_after_s: Callable[[], float],
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.config = config
+        self.keeper = keeper
+        self.stale_after_s = stale_after_s
+        self._pools: dict[str, _PoolQueue] = {}
+        self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
+        self._background: set[asyncio.Future[int]] = set()
+
+    def _pool(self, name: str) -> _PoolQueue:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = _PoolQueue(FairQueue(self.config().queue.max_depth))
+        return pool
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, demand: Demand, candidates: Sequence[Replica]
+    ) -> AsyncIterator[Slot]:
+        """Reserve the demand's worst case on one of `candidates` (in preference order)."""
+        config = self.config()
+        self._check_can_ever_fit(demand, candidates, config)
+        pool = self._pool(demand.pool)
+        pool.worst_cases.append(max(demand.blocks_on(r) for r in candidates))
+        started = time.monotonic()
+        slot = None
+        if not len(pool.queue):
+            slot = await self._try_place(demand, candidates, config, started)
+        if slot is None:
+            slot = await self._wait(pool, demand, candidates, config, started)
+        self.metrics.admissions.labels(
+            demand.pool, slot.replica.id, "yes" if slot.queued_s > 0 else "no"
+        ).inc()
+        self.metrics.worst_case_blocks.labels(demand.pool).observe(slot.blocks)
+        try:
+            yield slot
+        finally:
+            await self._release(pool, slot)
+
+    def _check_can_ever_fit(
+        self, demand: Demand, candidates: Sequence[Replica], config: AdmissionConfig
+    ) -> None:
+        if not candidates:
+            raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
+        limits = [(r, admissible_blocks(r, config)) for r in candidates]
+        known = [(r, n) for r, n in limits if n is not None]
+        if not known:
+            raise NoReplica(
+                f"no replica in pool {demand.pool!r} has a known KV capacity yet; retry shortly"
+            )
+        if all(demand.blocks_on(r) > n for r, n in known):
+            best = max(known, key=lambda rn: rn[1])
+            raise NeverFits(
+                f"this request's worst case is {demand.worst_tokens} tokens = "
+                f"{demand.blocks_on(best[0])} KV blocks, but the largest replica in pool "
+                f"{demand.pool!r} admits at most {best[1]} blocks "
+                f"({config.target_utilization:g} × {best[0].num_gpu_blocks}); "
+                "reduce max_tokens or the prompt",
+                param="max_tokens",
+            )
+
+    async def _try_place(
+        self,
+        demand: Demand,
+        candidates: Sequence[Replica],
+        config: AdmissionConfig,
+        started: float,
+    ) -> Slot | None:
+        stale = self.stale_after_s()
+        for replica in candidates:
+            limit = admissible_blocks(replica, config)
+            blocks = demand.blocks_on(replica)
+            if limit is None or blocks > limit or not replica.healthy:
+                continue
+            scrape = replica.fresh_scrape(stale)
+            if scrape is not None and (scrape.waiting or 0) > config.max_replica_waiting:
+                continue
+            lease_id = uuid.uuid4().hex
+            key = ledger_key(replica)
+            if await self._acquire(key, lease_id, blocks, limit, config.lease_ttl_s):
+                self.keeper.add(key, lease_id)
+                self.reserved[replica.id] = self.reserved.get(replica.id, 0) + blocks
+                return Slot(replica, lease_id, blocks, time.monotonic() - started)
+        return None
+
+    async def _acquire(self, key: str, lease_id: str, blocks: int, limit: int, ttl: float) -> bool:
+        """try_acquire that cannot leak: if we are cancelled while the store works, a lease it
+        grants anyway is released as soon as the answer arrives."""
+        task = asyncio.ensure_future(self.store.try_acquire(key, lease_id, blocks, limit, ttl))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_acquire(t, key, lease_id))
+            raise
+
+    def _undo_acquire(self, task: asyncio.Future[bool], key: str, lease_id: str) -> None:
+        if task.cancelled() or task.exception() is not None or not task.result():
+            return
+        undo = asyncio.ensure_future(self.store.release(key, lease_id))
+        self._background.add(undo)
+        undo.add_done_callback(self._background.discard)
+
+    async def _wait(
+        self,
+        pool: _PoolQueue,
+        demand: Demand,
+        candidates: Sequence[Replica],
+        config: AdmissionConfig,
+        started: float,
+    ) -> Slot:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Slot] = loop.create_future()
+        ticket = Ticket(demand.tenant, demand.priority, started, (demand, candidates, future))
+        refused = pool.queue.push(ticket)
+        if refused is ticket:
+            self._refuse_queue_full(demand.pool, ticket, config)
+        if refused is not None:
+            _, _, shed_future = refused.payload
+            if not shed_future.done():
+                shed_future.set_exception(self._queue_full_error(demand.pool, config))
+        self._observe_depth(demand.pool, pool)
+        pool.wake.set()
+        try:
+            async with asyncio.timeout(config.queue.max_wait_s):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            raise RateLimited(
+                f"no KV capacity in pool {demand.pool!r} within {config.queue.max_wait_s:g}s",
+                code="queue_timeout",
+                retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
+            ) from None
+        finally:
+            pool.queue.remove(ticket)
+            self._observe_depth(demand.pool, pool)
+            self.metrics.queue_wait.labels(demand.pool, demand.priority).observe(
+                time.monotonic() - started
+            )
+            # Placed while we were being cancelled or timing out: give it back.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                slot = future.result()
+                await self._release(pool, slot)
+            elif not future.done():
+                future.cancel()
+
+    async def dispatch(self, pool_name: str) -> None:
+        """Serve one pool's queue head-first until cancelled (one task per pool)."""
+        pool = self._pool(pool_name)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_INTERVAL_S if len(pool.queue) else None):
+                    await pool.wake.wait()
+            pool.wake.clear()
+            while (ticket := pool.queue.peek()) is not None:
+                demand, candidates, future = ticket.payload
+                if future.done():
+                    pool.queue.remove(ticket)
+                    continue
+                try:
+                    slot = await self._try_place(
+                        demand, candidates, self.config(), ticket.enqueued_at
+                    )
+                except Exception as exc:  # a store failure ends this waiter, not the loop
+                    if not future.done():
+                        future.set_exception(exc)
+                    pool.queue.remove(ticket)
+                    continue
+                if slot is None:
+                    break
+                pool.queue.remove(ticket)
+                if future.done():  # the waiter left while we were placing it
+                    await self._release(pool, slot)
+                else:
+                    future.set_result(slot)
+
+    def wake_all(self) -> None:
+        for pool in self._pools.values():
+            pool.wake.set()
+
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    async def _release(self, pool: _PoolQueue, slot: Slot) -> None:
+        if slot.released:
+            return
+        slot.released, blocks = True, slot.blocks  # mark first: release exactly once
+        key = ledger_key(slot.replica)
+        self.keeper.discard(key, slot.lease_id)
+        self.reserved[slot.replica.id] = max(0, self.reserved.get(slot.replica.id, 0) - blocks)
+        pool.releases.append(time.monotonic())
+        try:
+            await asyncio.shield(self.store.release(key, slot.lease_id))
+        finally:
+            pool.wake.set()
+
+    def retry_after(self, pool_name: str, ahead: int) -> float:
+        """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""
+        pool = self._pool(pool_name)
+        max_wait = self.config().queue.max_wait_s
+        if len(pool.releases) >= 2:
+            span = max(1e-3, time.monotonic() - pool.releases[0])
+            rate = len(pool.releases) / span
+            return min(max(1.0, (ahead + 1) / rate), max(1.0, max_wait))
+        return max(1.0, min(max_wait, 5.0))
+
+    def p95_worst_case(self, pool_name: str) -> int | None:
+        cases = sorted(self._pool(pool_name).worst_cases)
+        return cases[min(len(cases) - 1, int(0.95 * len(cases)))] if cases else None
+
+    def _queue_full_error(self, pool_name: str, config: AdmissionConfig) -> RateLimited:
+        depth = len(self._pool(pool_name).queue)
+        return RateLimited(
+            f"the queue for pool {pool_name!r} is full ({config.queue.max_depth} waiting)",
+            code="queue_full",
+            retry_after_s=self.retry_after(pool_name, depth),
+        )
+
+    def _refuse_queue_full(self, pool_name: str, ticket: Ticket, config: AdmissionConfig) -> None:
+        raise self._queue_full_error(pool_name, config)
+
+    def _observe_depth(self, pool_name: str, pool: _PoolQueue) -> None:
+        for priority in ("critical", "standard", "sheddable"):
+            self.metrics.queue_depth.labels(pool_name, priority).set(pool.queue.depth(priority))
+

@@ -1,0 +1,214 @@
+"""Builds the aiohttp application from a config: wires the stages, starts the background
+tasks (discovery, queue dispatchers, lease renewal, gauges), and reloads on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.admission import Admission, LeaseKeeper, admissible_blocks, ledger_key
+from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
+from kvgate.catalog import Catalog
+from kvgate.config import Config, ConfigError, secret
+from kvgate.gateway import Gateway, Runtime
+from kvgate.metrics import Metrics
+from kvgate.replicas import Registry, discovery_loop
+from kvgate.state.base import StateStore
+from kvgate.tenants import Budgets, Directory
+from kvgate.tokens import Calibration, TokenizerError
+from kvgate.upstream import Relay
+
+log = logging.getLogger(__name__)
+
+GAUGE_INTERVAL_S = 1.0
+
+
+def build_store(config: Config) -> StateStore:
+    from kvgate.state.factory import build_store as factory
+
+    state = config.state
+    return factory(
+        backend=state.backend,
+        redis_url=secret(state.redis_url),
+        key_prefix=state.key_prefix,
+        failure_mode=state.failure_mode,
+        timeout_s=state.timeout_s,
+    )
+
+
+def build_app(config: Config, store: StateStore | None = None) -> web.Application:
+    """The whole gateway for one config. Tokenizers load here: a bad one raises
+    TokenizerError before anything listens."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.server.max_body_bytes)
+    catalog = Catalog()
+    catalog.configure(config)
+    metrics = Metrics()
+    registry = Registry()
+    registry.sync({name: pool.replicas for name, pool in config.pools.items()})
+    store = store if store is not None else build_store(config)
+    keeper = LeaseKeeper(store, config.admission.lease_ttl_s)
+    gateway_box: list[Gateway] = []
+
+    def current() -> Config:
+        return gateway_box[0].runtime.config
+
+    admission = Admission(
+        store, metrics, lambda: current().admission, keeper, lambda: current().discovery.stale_after_s
+    )
+    gateway = Gateway(
+        runtime=Runtime(config, Directory(config.auth, config.tenants)),
+        registry=registry,
+        catalog=catalog,
+        relay=Relay(_placeholder_session(), config.timeouts),
+        admission=admission,
+        budgets=Budgets(store, metrics),
+        store=store,
+        metrics=metrics,
+        calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
+    )
+    gateway_box.append(gateway)
+    app[GATEWAY] = gateway
+    add_routes(app)
+    app.cleanup_ctx.append(_services)
+    return app
+
+
+def _placeholder_session() -> aiohttp.ClientSession:
+    # Replaced in _services before the app serves; building a real session needs a loop.
+    return None  # type: ignore[return-value]
+
+
+async def _services(app: web.Application) -> AsyncIterator[None]:
+    gateway = app[GATEWAY]
+    config = gateway.runtime.config
+    upstream = config.upstream
+    connector = aiohttp.TCPConnector(
+        limit=upstream.max_connections,
+        limit_per_host=upstream.max_connections_per_replica,
+        keepalive_timeout=upstream.keepalive_s,
+    )
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    gateway.relay.session = session
+    start = getattr(gateway.store, "start", None)
+    if start is not None:
+        await start()
+    tasks = [
+        _task(discovery_loop(session, gateway.registry, config.discovery, _WakeAdmission(gateway))),
+        _task(gateway.admission.keeper.run()),
+        _task(_refresh_gauges(gateway)),
+        *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
+    ]
+    app[TASKS] = tasks
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.close()
+        await gateway.store.close()
+
+
+TASKS = web.AppKey("tasks", list)
+
+
+class _WakeAdmission:
+    """Passed to discovery as its `wake` event: new figures may let queued requests in."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def set(self) -> None:
+        self.gateway.admission.wake_all()
+
+
+def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    return asyncio.get_running_loop().create_task(coro)
+
+
+async def _refresh_gauges(gateway: Gateway) -> None:
+    """Per-replica and store gauges, computed off the request path once a second."""
+    m = gateway.metrics
+    while True:
+        config = gateway.runtime.config
+        now = time.monotonic()
+        for replica in gateway.registry:
+            labels = (replica.id, replica.pool)
+            with contextlib.suppress(Exception):
+                gateway.admission.reserved[replica.id] = await gateway.store.held(
+                    ledger_key(replica)
+                )
+            reserved = gateway.admission.reserved.get(replica.id, 0)
+            total = replica.num_gpu_blocks
+            admissible = admissible_blocks(replica, config.admission)
+            written = replica.written_blocks()
+            m.healthy.labels(replica.id).set(1 if replica.healthy else 0)
+            m.blocks_reserved.labels(*labels).set(reserved)
+            m.blocks_written.labels(*labels).set(written)
+            if total is not None and admissible is not None:
+                m.blocks_total.labels(*labels).set(total)
+                m.blocks_admissible.labels(*labels).set(admissible)
+                p95 = gateway.admission.p95_worst_case(replica.pool)
+                if p95:
+                    m.headroom.labels(*labels).set(max(0, (admissible - reserved) // p95))
+            scrape = replica.fresh_scrape(config.discovery.stale_after_s, now)
+            usage = scrape.kv_usage if scrape and scrape.kv_usage is not None else math.nan
+            m.vllm_kv_usage.labels(replica.id).set(usage)
+            if scrape is not None:
+                m.vllm_waiting.labels(replica.id).set(scrape.waiting or 0)
+                m.vllm_running.labels(replica.id).set(scrape.running or 0)
+                m.vllm_preemptions.labels(replica.id).set(scrape.preemptions or 0)
+                if total and scrape.kv_usage is not None:
+                    m.ledger_divergence.labels(replica.id).set(scrape.kv_usage - written / total)
+        _store_gauges(gateway)
+        await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def _store_gauges(gateway: Gateway) -> None:
+    store, m = gateway.store, gateway.metrics
+    backend = store.backend
+    m.store_up.labels(backend).set(1 if getattr(store, "up", True) else 0)
+    for gauge, attribute in (
+        (m.store_latency, "last_latency_s"),
+        (m.store_errors, "errors"),
+        (m.store_fallback_calls, "fallback_calls"),
+        (m.store_outage_seconds, "outage_seconds"),
+    ):
+        value = getattr(store, attribute, None)
+        if isinstance(value, int | float):
+            gauge.labels(backend).set(value)
+
+
+def reload(app: web.Application, load: Callable[[], Config]) -> bool:
+    """Load the config again (`load` re-reads the file and applies the command line). A bad
+    file is refused (logged) and the old config stays; requests in flight finish under the
+    config they started with."""
+    gateway = app[GATEWAY]
+    try:
+        config = load()
+        gateway.catalog.configure(config)
+    except (ConfigError, TokenizerError) as exc:
+        log.error("config reload refused, keeping the old config:\n%s", exc)
+        gateway.metrics.config_reloads.labels("refused").inc()
+        return False
+    gateway.runtime = Runtime(config, Directory(config.auth, config.tenants))
+    gateway.registry.sync({name: pool.replicas for name, pool in config.pools.items()})
+    gateway.relay.timeouts = config.timeouts
+    gateway.metrics.config_reloads.labels("ok").inc()
+    tasks = app.get(TASKS)
+    if tasks is not None:
+        known = set(gateway.admission.pools())
+        for pool in config.pools:
+            if pool not in known:
+                tasks.append(_task(gateway.admission.dispatch(pool)))
+    log.info("config reloaded")
+    return True

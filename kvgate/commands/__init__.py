@@ -1,0 +1,1 @@
+"""Sub-commands of the `kvgate` CLI that are not a module of their own."""

@@ -1,0 +1,113 @@
+"""`kvgate serve`: run the gateway from a config file, from flags, or both (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from aiohttp import web
+
+from kvgate.app import GATEWAY, build_app, reload
+from kvgate.config import Config, ConfigError, apply_overrides, parse_config, quick_config, read_tree
+from kvgate.tokens import TokenizerError
+
+log = logging.getLogger("kvgate")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", help="YAML config file (see config/kvgate.yaml)")
+    parser.add_argument("--upstream", action="append", metavar="URL",
+                        help="a vLLM replica for the default pool (repeatable)")
+    parser.add_argument("--long-upstream", action="append", metavar="URL",
+                        help="a replica for the long-context pool (repeatable)")
+    parser.add_argument("--redis", metavar="URL", help="share state through this Redis")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_loader(args: argparse.Namespace) -> Callable[[], Config]:
+    """Reads the file (if any) and applies the flags; called at start and on every SIGHUP."""
+
+    def load() -> Config:
+        if args.config:
+            tree = read_tree(args.config)
+        elif args.upstream:
+            tree = quick_config(args.upstream)
+        else:
+            raise ConfigError(["give --config FILE or at least one --upstream URL"])
+        tree = apply_overrides(
+            tree, upstreams=args.upstream if args.config else None,
+            long_upstreams=args.long_upstream, redis_url=args.redis,
+            host=args.host, port=args.port,
+        )
+        return parse_config(tree)
+
+    return load
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    load = config_loader(args)
+    try:
+        config = load()
+        app = build_app(config)
+    except (ConfigError, TokenizerError) as exc:
+        print(f"kvgate: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    _use_uvloop()
+    try:
+        asyncio.run(serve(app, config, load))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def serve(
+    app: web.Application, config: Config, load: Callable[[], Config],
+    started: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads. Drains in-flight requests on the way out."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.server.drain_s)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    url = _url(site)
+    log.info("kvgate listening on %s", url)
+    if started is not None:
+        started(url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGHUP, lambda: reload(app, load))
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvgate shutting down: draining for up to %.0fs", config.server.drain_s)
+        await runner.cleanup()
+
+
+def _url(site: web.TCPSite) -> str:
+    server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+    sockets = getattr(server, "sockets", None) or []
+    host, port = sockets[0].getsockname()[:2] if sockets else ("127.0.0.1", 0)
+    return f"http://{host}:{port}"
+
+
+def _use_uvloop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+__all__ = ["GATEWAY", "add_arguments", "run", "serve"]

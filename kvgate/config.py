@@ -1,0 +1,408 @@
+"""The YAML configuration: schema, validation with errors that name the key path, `${ENV}`
+interpolation, secret masking, and command-line overrides.
+
+Validated once, frozen afterwards. A bad file is refused whole: at start the process exits
+non-zero; on SIGHUP the old configuration stays in force (see `kvgate.app`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+PRIORITY_CLASSES = ("critical", "standard", "sheddable")
+PriorityClass = Literal["critical", "standard", "sheddable"]
+PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; `problems` lists `path: message` lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL")
+    return value.rstrip("/")
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    drain_s: float = Field(30.0, ge=0)
+
+
+class TimeoutsConfig(_Model):
+    """Seconds. `first_byte_s` runs from sending the request to the response headers;
+    `idle_s` is the longest gap between two streamed chunks; `total_s` bounds the whole call."""
+
+    connect_s: PositiveFloat = 5.0
+    first_byte_s: PositiveFloat = 120.0
+    idle_s: PositiveFloat = 60.0
+    total_s: PositiveFloat = 900.0
+
+
+class UpstreamConfig(_Model):
+    max_connections: PositiveInt = 1024
+    max_connections_per_replica: PositiveInt = 256
+    keepalive_s: PositiveFloat = 60.0
+
+
+class ReplicaConfig(_Model):
+    url: str
+    name: str | None = None
+    api_key: SecretStr | None = None
+    # Overrides for what discovery reads from the replica's /metrics and /v1/models.
+    num_gpu_blocks: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
+
+    _check_url = field_validator("url")(classmethod(lambda cls, v: _http_url(v)))
+
+    @property
+    def id(self) -> str:
+        return self.name or urlsplit(self.url).netloc
+
+
+class PoolConfig(_Model):
+    replicas: list[ReplicaConfig] = Field(min_length=1)
+    # A request goes to the pool with the highest threshold its worst case reaches.
+    min_worst_case_tokens: int = Field(0, ge=0)
+    # Pool to try when this one has no healthy replica with capacity for the request.
+    overflow_to: str | None = None
+
+
+class TokenizerConfig(_Model):
+    kind: Literal["tiktoken", "huggingface"] = "tiktoken"
+    encoding: str = "cl100k_base"
+    file: Path | None = None
+
+
+class ChatTemplateConfig(_Model):
+    tokens_per_message: int = Field(4, ge=0)
+    tokens_per_name: int = Field(1, ge=0)
+    reply_primer_tokens: int = Field(3, ge=0)
+
+
+class ModelConfig(_Model):
+    name: str = Field(min_length=1)
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    chat_template: ChatTemplateConfig = ChatTemplateConfig()
+    default_max_tokens: PositiveInt = 1024
+    # Overrides the max_model_len the replicas report.
+    max_model_len: PositiveInt | None = None
+
+
+class QueueConfig(_Model):
+    max_depth: PositiveInt = 512
+    max_wait_s: PositiveFloat = 30.0
+
+
+class AdmissionConfig(_Model):
+    enabled: bool = True
+    # Admit while reserved + worst case ≤ target_utilization × num_gpu_blocks.
+    target_utilization: float = Field(0.9, gt=0, le=1)
+    # Hold admission to a replica whose scraped vllm:num_requests_waiting exceeds this.
+    max_replica_waiting: int = Field(4, ge=0)
+    queue: QueueConfig = QueueConfig()
+    lease_ttl_s: PositiveFloat = 30.0
+
+
+class CalibrationConfig(_Model):
+    min_ratio: PositiveFloat = 0.8
+    max_ratio: PositiveFloat = 1.5
+
+
+class DiscoveryConfig(_Model):
+    interval_s: PositiveFloat = 2.0
+    timeout_s: PositiveFloat = 1.0
+    # Scraped figures older than this are treated as unknown.
+    stale_after_s: PositiveFloat = 10.0
+
+
+class TenantConfig(_Model):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    # SHA-256 (hex) of each API key; the keys themselves never appear in config.
+    api_key_sha256: list[str] = []
+    tokens_per_minute: PositiveInt | None = None
+    requests_per_minute: PositiveInt | None = None
+    max_concurrent: PositiveInt | None = None
+    max_context_tokens: PositiveInt | None = None
+    max_tokens_cap: PositiveInt | None = None
+    priority: PriorityClass = "standard"
+    models: list[str] | None = None  # None: every model
+    pools: list[str] | None = None  # None: every pool
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex_digests(cls, value: list[str]) -> list[str]:
+        for digest in value:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("each entry must be a lowercase hex SHA-256 (64 characters)")
+        return value
+
+
+class AuthConfig(_Model):
+    mode: Literal["none", "api_key", "trusted_header"] = "none"
+    # With mode=none, every request is this tenant; with api_key, requests with no key are,
+    # if set (otherwise 401).
+    anonymous_tenant: str | None = None
+    tenant_header: str = "X-Tenant-Id"
+    trusted_networks: list[str] = ["127.0.0.1/32", "::1/128"]
+
+    @field_validator("trusted_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for net in value:
+            ipaddress.ip_network(net, strict=False)
+        return value
+
+
+class StateConfig(_Model):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: SecretStr | None = None
+    key_prefix: str = "kvgate"
+    failure_mode: Literal["fail_open", "fail_closed"] = "fail_open"
+    timeout_s: PositiveFloat = 0.25
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> StateConfig:
+        if self.backend == "redis" and self.redis_url is None:
+            raise ValueError("backend redis needs redis_url")
+        return self
+
+
+class Config(_Model):
+    server: ServerConfig = ServerConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    pools: dict[str, PoolConfig] = Field(min_length=1)
+    models: list[ModelConfig] = []
+    default_model: ModelConfig = ModelConfig(name="*")
+    admission: AdmissionConfig = AdmissionConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    auth: AuthConfig = AuthConfig()
+    tenants: list[TenantConfig] = []
+    state: StateConfig = StateConfig()
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Config:
+        for name, pool in self.pools.items():
+            if pool.overflow_to is not None and pool.overflow_to not in self.pools:
+                raise ValueError(f"pools.{name}.overflow_to: no pool named {pool.overflow_to!r}")
+        seen: dict[str, str] = {}
+        for name, pool in self.pools.items():
+            for replica in pool.replicas:
+                if replica.id in seen:
+                    raise ValueError(
+                        f"pools.{name}: replica {replica.id!r} is also in pool {seen[replica.id]!r}"
+                    )
+                seen[replica.id] = name
+        tenants = {t.name for t in self.tenants}
+        if len(tenants) != len(self.tenants):
+            raise ValueError("tenants: names must be unique")
+        anonymous = self.auth.anonymous_tenant
+        if anonymous is not None and anonymous not in tenants:
+            raise ValueError(f"auth.anonymous_tenant: no tenant named {anonymous!r}")
+        for tenant in self.tenants:
+            for pool_name in tenant.pools or ():
+                if pool_name not in self.pools:
+                    raise ValueError(f"tenants.{tenant.name}.pools: no pool named {pool_name!r}")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return self.default_model
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+# ---------------------------------------------------------------- loading
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def interpolate(tree: Any, env: Mapping[str, str], path: str = "") -> Any:
+    """Replace `${VAR}` / `${VAR:-default}` in every string of a parsed YAML tree."""
+    if isinstance(tree, dict):
+        return {k: interpolate(v, env, _join(path, k)) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [interpolate(v, env, f"{path}[{i}]") for i, v in enumerate(tree)]
+    if not isinstance(tree, str):
+        return tree
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        raise ConfigError([f"{path or '<root>'}: environment variable {name} is not set"])
+
+    return _ENV.sub(substitute, tree)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "function_", "model-")):
+            out = _join(out, part)
+    return out or "<root>"
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    if error["type"] == "missing":
+        return "required"
+    message = str(error["msg"])
+    return message.removeprefix("Value error, ")
+
+
+def parse_config(tree: Any, env: Mapping[str, str] | None = None) -> Config:
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(["<root>: must be a mapping"])
+    tree = interpolate(tree, os.environ if env is None else env)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(
+            [f"{_location(tuple(e['loc']))}: {_message(e)}" for e in exc.errors()]
+        ) from None
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: {exc.strerror or exc}"]) from None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    return parse_config(tree, env)
+
+
+def quick_config(
+    upstreams: list[str], long_upstreams: list[str] | None = None, redis_url: str | None = None
+) -> dict[str, Any]:
+    """The config tree `kvgate serve --upstream URL ...` runs with when no file is given."""
+    tree: dict[str, Any] = {"pools": {"default": {"replicas": [{"url": u} for u in upstreams]}}}
+    if long_upstreams:
+        tree["pools"]["long"] = {
+            "replicas": [{"url": u} for u in long_upstreams],
+            "min_worst_case_tokens": 16384,
+        }
+    if redis_url:
+        tree["state"] = {"backend": "redis", "redis_url": redis_url}
+    return tree
+
+
+def apply_overrides(
+    tree: dict[str, Any],
+    *,
+    upstreams: list[str] | None = None,
+    long_upstreams: list[str] | None = None,
+    redis_url: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> dict[str, Any]:
+    """Command-line flags win over the file."""
+    tree = dict(tree)
+    pools = dict(tree.get("pools") or {})
+    if upstreams:
+        name = next(iter(pools), "default") if pools else "default"
+        pools[name] = {**dict(pools.get(name) or {}), "replicas": [{"url": u} for u in upstreams]}
+    if long_upstreams:
+        long_pool = dict(pools.get("long") or {"min_worst_case_tokens": 16384})
+        long_pool["replicas"] = [{"url": u} for u in long_upstreams]
+        pools["long"] = long_pool
+    if pools:
+        tree["pools"] = pools
+    if redis_url:
+        tree["state"] = {**dict(tree.get("state") or {}), "backend": "redis", "redis_url": redis_url}
+    server = dict(tree.get("server") or {})
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    if server:
+        tree["server"] = server
+    return tree
+
+
+def read_tree(path: str | Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"{path}: {exc.strerror or exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError([f"{path}: must be a mapping"])
+    return tree
+
+
+def masked(config: Config) -> dict[str, Any]:
+    """The resolved config as plain data, with every secret replaced by '***'."""
+    data = config.model_dump(mode="json")
+
+    def mask(node: Any, key: str = "") -> Any:
+        if isinstance(node, dict):
+            return {k: mask(v, k) for k, v in node.items()}
+        if isinstance(node, list):
+            return [mask(v, key) for v in node]
+        if key in ("api_key", "redis_url") and node:
+            return "***" if key == "api_key" else _mask_url(str(node))
+        return node
+
+    return mask(data)  # type: ignore[no-any-return]
+
+
+def _mask_url(url: str) -> str:
+    return re.sub(r"//([^@/]*)@", "//***@", url)
+
+
+def secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value is not None else None

@@ -1,0 +1,168 @@
+"""One error hierarchy, mapped to an HTTP status and OpenAI's error body in one place.
+
+    KvgateError                       (status, type, code, param, message, headers)
+     ├── ClientError                  4xx: never forwarded upstream
+     │    ├── BadRequest              400 invalid_request_error
+     │    │    ├── ContextLengthExceeded   code=context_length_exceeded
+     │    │    └── NeverFits               code=never_fits
+     │    ├── Unauthorized            401 code=invalid_api_key
+     │    ├── Forbidden               403 code=model_not_allowed / pool_not_allowed
+     │    ├── NotFound                404 code=model_not_found / unknown_url
+     │    ├── MethodNotAllowed        405
+     │    ├── PayloadTooLarge         413
+     │    └── RateLimited             429 code=rate_limited / queue_full / queue_timeout
+     └── ServerError                  5xx: kvgate or a replica could not serve
+          ├── UpstreamError           502 the replica failed or answered 5xx
+          ├── NoReplica               503 no healthy replica can take the request
+          ├── StateStoreUnavailable   503 Redis is down and failure_mode is fail_closed
+          └── UpstreamTimeout         504
+
+`refusal_reason` is the label used in `kvgate_refusals_total`; it is the same word as the
+OpenAI `code` where one exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class KvgateError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    refusal_reason = "internal"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class ClientError(KvgateError):
+    status = 400
+    type = "invalid_request_error"
+    refusal_reason = "bad_request"
+
+
+class BadRequest(ClientError):
+    pass
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+    refusal_reason = "context_length_exceeded"
+
+
+class NeverFits(BadRequest):
+    code = "never_fits"
+    refusal_reason = "never_fits"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+    refusal_reason = "unauthorized"
+
+
+class Forbidden(ClientError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+    refusal_reason = "forbidden"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+    refusal_reason = "not_found"
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    code = "request_too_large"
+
+
+class RateLimited(ClientError):
+    """429. `code` tells which limit: rate_limited, queue_full or queue_timeout."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limited"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        merged = dict(headers or {})
+        merged["Retry-After"] = str(max(1, round(retry_after_s + 0.499)))
+        super().__init__(message, code=code, headers=merged)
+        self.retry_after_s = retry_after_s
+
+    @property  # type: ignore[override]
+    def refusal_reason(self) -> str:
+        return self.code or "rate_limited"
+
+
+class ServerError(KvgateError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class UpstreamError(ServerError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+    refusal_reason = "upstream_error"
+
+
+class NoReplica(ServerError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_replica"
+    refusal_reason = "no_replica"
+
+
+class StateStoreUnavailable(ServerError):
+    status = 503
+    type = "service_unavailable"
+    code = "state_store_unavailable"
+    refusal_reason = "state_store_unavailable"
+
+
+class UpstreamTimeout(ServerError):
+    status = 504
+    type = "timeout"
+    code = "upstream_timeout"
+    refusal_reason = "upstream_timeout"

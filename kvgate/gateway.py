@@ -1,0 +1,217 @@
+"""The request path, top to bottom, and the services it calls.
+
+    parse & validate → identify tenant → count tokens, bound worst case → choose pool
+    → charge tenant budget → admit on a replica's ledger (or wait in the fair queue)
+    → forward and stream back → settle: release blocks, correct the charge, record metrics
+
+Each resource is held by an `async with`, so every ending — completion, upstream error,
+timeout, client disconnect, cancellation — releases it exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from kvgate.admission import Admission, Demand, Slot
+from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
+from kvgate.config import Config
+from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
+from kvgate.metrics import Metrics
+from kvgate.replicas import Registry, Replica
+from kvgate.requests import Endpoint, ParsedRequest, parse_body
+from kvgate.routing.policies import LeastLoaded, RoutingPolicy
+from kvgate.routing.pools import choose_pool, overflow_chain
+from kvgate.state.base import StateStore
+from kvgate.tenants import Budgets, Charge, Directory, check_access
+from kvgate.tokens import Calibration
+from kvgate.upstream import Outcome, Relay, upstream_headers
+
+SESSION_HEADER = "X-Kvgate-Session"
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """Everything derived from one version of the config. A request keeps the runtime it
+    started with, so a reload never changes the rules under a request in flight."""
+
+    config: Config
+    directory: Directory
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """Labels for the metrics of one request, filled in as the path learns them."""
+
+    request_id: str
+    started: float
+    model: str = "unknown"
+    pool: str = "none"
+    tenant: str = "unknown"
+
+
+@dataclass(slots=True)
+class Gateway:
+    runtime: Runtime
+    registry: Registry
+    catalog: Catalog
+    relay: Relay
+    admission: Admission
+    budgets: Budgets
+    store: StateStore
+    metrics: Metrics
+    calibration: Calibration
+    policy: RoutingPolicy = field(default_factory=LeastLoaded)
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        rt = self.runtime
+        info: RequestInfo = request[REQUEST_INFO]
+        parsed = parse_body(
+            await read_body(request, rt.config.server.max_body_bytes),
+            endpoint,
+            request.headers.get(SESSION_HEADER),
+        )
+        info.model = parsed.model
+        tenant = rt.directory.identify(request.headers, request.remote)
+        info.tenant = tenant.name
+        check_access(tenant, parsed.model)
+        self.require_model(parsed.model)
+        estimate = await self.catalog.count(parsed)
+        prompt_tokens = self.calibration.apply(parsed.model, estimate)
+        bound = bound_worst_case(
+            parsed, prompt_tokens, rt.config.model(parsed.model), tenant,
+            self.max_model_len(parsed.model),
+        )
+        first_pool = choose_pool(rt.config.pools, bound.worst_tokens, tenant.pools)
+        pool, candidates = self.candidates(first_pool, parsed.model)
+        info.pool = pool
+        demand = Demand(pool, bound.worst_tokens, tenant.name, tenant.priority)
+        outcome = Outcome()
+        async with self.budgets.charge(tenant, bound.worst_tokens) as charge:
+            try:
+                async with self.admission.admit(demand, candidates) as slot:
+                    return await self.forward(request, parsed, bound, slot, charge, outcome)
+            finally:
+                await self.settle(charge, parsed, estimate, bound, outcome)
+
+    async def forward(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        bound: Bound,
+        slot: Slot,
+        charge: Charge,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        info: RequestInfo = request[REQUEST_INFO]
+        replica = slot.replica
+        replica.inflight[info.request_id] = lambda: bound.prompt_tokens + outcome.streamed_tokens
+        headers = {
+            **charge.headers,
+            "X-Request-Id": info.request_id,
+            "X-Kvgate-Pool": info.pool,
+            "X-Kvgate-Replica": replica.id,
+        }
+        try:
+            return await self.relay.forward(
+                request,
+                parsed.endpoint.value,
+                upstream_body(parsed, bound),
+                upstream_headers(
+                    request.headers, info.request_id, replica,
+                    drop_authorization=self.runtime.config.auth.mode != "none",
+                ),
+                replica,
+                headers,
+                stream=parsed.stream,
+                client_wants_usage=parsed.client_wants_usage,
+                outcome=outcome,
+            )
+        finally:
+            replica.inflight.pop(info.request_id, None)
+            self.observe(info, bound, slot, outcome)
+
+    async def settle(
+        self, charge: Charge, parsed: ParsedRequest, estimate: int, bound: Bound, outcome: Outcome
+    ) -> None:
+        """Correct the tenant's charge to what really happened; unsettled charges (nothing
+        generated) are refunded whole when the budget's context exits."""
+        if outcome.usage is not None:
+            ratio = self.calibration.observe(parsed.model, estimate, outcome.usage.prompt_tokens)
+            self.metrics.calibration.labels(parsed.model).set(ratio)
+            await asyncio.shield(
+                self.budgets.settle(
+                    charge, outcome.usage.prompt_tokens, outcome.usage.completion_tokens
+                )
+            )
+        elif outcome.streamed_tokens:
+            await asyncio.shield(
+                self.budgets.settle(charge, bound.prompt_tokens, outcome.streamed_tokens)
+            )
+
+    def observe(self, info: RequestInfo, bound: Bound, slot: Slot, outcome: Outcome) -> None:
+        if outcome.first_token_at is not None:
+            self.metrics.ttft.labels(info.pool, info.model).observe(
+                outcome.first_token_at - info.started
+            )
+        used = bound.prompt_tokens + outcome.completion_tokens()
+        if outcome.usage is not None:
+            used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+        block_size = slot.replica.block_size or 16
+        if slot.blocks > 0:
+            self.metrics.efficiency.labels(info.pool).observe(
+                min(1.0, math.ceil(used / block_size) / slot.blocks)
+            )
+
+    def require_model(self, model: str) -> None:
+        known = {m.name for m in self.runtime.config.models}
+        served = any(model in r.models for r in self.registry)
+        if model not in known and not served:
+            raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
+                           param="model")
+
+    def max_model_len(self, model: str) -> int | None:
+        configured = self.runtime.config.model(model).max_model_len
+        if configured is not None:
+            return configured
+        lengths = [
+            n for r in self.registry
+            if r.healthy and (n := r.max_model_len(model)) is not None
+        ]
+        return min(lengths) if lengths else None
+
+    def candidates(self, first_pool: str, model: str) -> tuple[str, list[Replica]]:
+        """The first pool along the overflow chain with a healthy replica serving `model`,
+        and those replicas in the routing policy's order."""
+        for pool in overflow_chain(self.runtime.config.pools, first_pool):
+            ready = [r for r in self.registry.in_pool(pool) if r.healthy and r.serves(model)]
+            if ready:
+                return pool, self.policy.order(ready, self.admission.reserved)
+        raise NoReplica(f"no healthy replica in pool {first_pool!r} serves model {model!r}")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_chunked(65536):
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)
+
+
+def new_request_info(request: web.Request) -> RequestInfo:
+    given = request.headers.get("X-Request-Id", "")
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+    return RequestInfo(request_id=request_id, started=time.monotonic())

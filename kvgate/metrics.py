@@ -1,0 +1,143 @@
+"""Every Prometheus metric kvgate exports, declared in one place (documented in
+docs/metrics.md; a test checks the two agree).
+
+One `Metrics` per application, each with its own registry: no global state, so several
+gateways can run in one process (as the tests do).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "kvgate_requests", "Requests finished, by outcome (ok, client_error, refused, "
+            "upstream_error, disconnected).", ["model", "pool", "tenant", "outcome"], registry=r,
+        )
+        self.refusals = Counter(
+            "kvgate_refusals", "Requests kvgate answered itself with an error, by reason.",
+            ["pool", "tenant", "reason"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth", "Requests waiting for KV capacity.", ["pool", "priority"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds", "Time spent waiting for KV capacity (admitted or not).",
+            ["pool", "priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.admissions = Counter(
+            "kvgate_admissions", "Requests admitted onto a replica's block ledger.",
+            ["pool", "replica", "queued"], registry=r,
+        )
+        self.blocks_total = Gauge(
+            "kvgate_replica_blocks_total", "KV blocks in the replica's pool (num_gpu_blocks).",
+            ["replica", "pool"], registry=r,
+        )
+        self.blocks_reserved = Gauge(
+            "kvgate_replica_blocks_reserved", "Blocks reserved for in-flight requests' worst "
+            "case, by every kvgate instance sharing the ledger.", ["replica", "pool"], registry=r,
+        )
+        self.blocks_written = Gauge(
+            "kvgate_replica_blocks_written", "Blocks holding tokens already computed (prompt + "
+            "generated so far) for this instance's in-flight requests.", ["replica", "pool"],
+            registry=r,
+        )
+        self.blocks_admissible = Gauge(
+            "kvgate_replica_blocks_admissible", "Ledger limit: target_utilization × blocks.",
+            ["replica", "pool"], registry=r,
+        )
+        self.vllm_kv_usage = Gauge(
+            "kvgate_replica_vllm_kv_usage_ratio", "vLLM's own kv_cache_usage_perc, as scraped "
+            "(NaN when stale).", ["replica"], registry=r,
+        )
+        self.vllm_waiting = Gauge(
+            "kvgate_replica_vllm_waiting", "vLLM's num_requests_waiting, as scraped.",
+            ["replica"], registry=r,
+        )
+        self.vllm_running = Gauge(
+            "kvgate_replica_vllm_running", "vLLM's num_requests_running, as scraped.",
+            ["replica"], registry=r,
+        )
+        self.vllm_preemptions = Gauge(
+            "kvgate_replica_vllm_preemptions", "vLLM's num_preemptions_total, as scraped.",
+            ["replica"], registry=r,
+        )
+        self.ledger_divergence = Gauge(
+            "kvgate_replica_ledger_divergence_ratio", "vLLM's reported usage minus kvgate's "
+            "written-blocks ratio: positive means traffic kvgate does not see.", ["replica"],
+            registry=r,
+        )
+        self.headroom = Gauge(
+            "kvgate_replica_headroom_requests", "How many more requests of the pool's recent "
+            "p95 worst case fit on the replica's ledger.", ["replica", "pool"], registry=r,
+        )
+        self.healthy = Gauge(
+            "kvgate_replica_healthy", "1 when the last discovery succeeded.", ["replica"],
+            registry=r,
+        )
+        self.worst_case_blocks = Histogram(
+            "kvgate_request_worst_case_blocks", "Worst-case KV blocks per admitted request.",
+            ["pool"], buckets=BLOCK_BUCKETS, registry=r,
+        )
+        self.efficiency = Histogram(
+            "kvgate_reservation_efficiency_ratio", "Blocks actually used ÷ blocks reserved, "
+            "at completion.", ["pool"], buckets=RATIO_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "kvgate_ttft_seconds", "Time from arrival at kvgate to the first streamed token.",
+            ["pool", "model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.duration = Histogram(
+            "kvgate_request_duration_seconds", "Time from arrival to the end of the response.",
+            ["pool", "model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "kvgate_tenant_tokens", "Tokens per tenant: reserved (charged up front), refunded, "
+            "prompt and completion (actual).", ["tenant", "kind"], registry=r,
+        )
+        self.tenant_concurrency = Gauge(
+            "kvgate_tenant_concurrent_requests", "This instance's in-flight requests per tenant.",
+            ["tenant"], registry=r,
+        )
+        self.tenant_remaining_tokens = Gauge(
+            "kvgate_tenant_remaining_tokens", "Tokens left in the tenant's per-minute bucket "
+            "after its last request.", ["tenant"], registry=r,
+        )
+        self.calibration = Gauge(
+            "kvgate_tokenizer_calibration_ratio", "vLLM's prompt_tokens ÷ kvgate's estimate "
+            "(bounded running mean).", ["model"], registry=r,
+        )
+        self.store_up = Gauge(
+            "kvgate_state_store_up", "1 when the state store answers.", ["backend"], registry=r,
+        )
+        self.store_latency = Gauge(
+            "kvgate_state_store_latency_seconds", "Last measured round trip to the store.",
+            ["backend"], registry=r,
+        )
+        self.store_errors = Gauge(
+            "kvgate_state_store_errors", "Store calls that failed (cumulative).", ["backend"],
+            registry=r,
+        )
+        self.store_fallback_calls = Gauge(
+            "kvgate_state_store_fallback_calls", "Calls served from local memory while the "
+            "store was down (fail_open; cumulative).", ["backend"], registry=r,
+        )
+        self.store_outage_seconds = Gauge(
+            "kvgate_state_store_outage_seconds", "Time spent with the store down (cumulative).",
+            ["backend"], registry=r,
+        )
+        self.config_reloads = Counter(
+            "kvgate_config_reloads", "SIGHUP reloads, by result (ok, refused).", ["result"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

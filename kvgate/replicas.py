@@ -1,0 +1,245 @@
+"""The replica registry: what kvgate knows about each vLLM replica, and the discovery loop
+that keeps it fresh by scraping `/health`, `/v1/models` and `/metrics`.
+
+Discovery runs in the background and never on a request's path: a slow or dead replica makes
+its figures stale, never a request slow. Figures older than `stale_after_s` read as unknown;
+a replica whose capacity is unknown (and not given in config) is not admitted to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.config import DiscoveryConfig, ReplicaConfig, secret
+
+log = logging.getLogger(__name__)
+
+# Current name first; older vLLM versions use the second.
+_ALIASES = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:gpu_prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:gpu_prefix_cache_hits": "prefix_hits",
+}
+
+
+@dataclass(slots=True)
+class Scrape:
+    """One reading of a replica's vLLM metrics (sums over data-parallel engines)."""
+
+    at: float
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+
+
+def parse_vllm_metrics(text: str, at: float) -> Scrape:
+    scrape = Scrape(at=at)
+    sums: dict[str, float] = {}
+    usage: list[float] = []
+    blocks = 0
+    block_size = None
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                n = sample.labels.get("num_gpu_blocks", "None")
+                if n.isdigit():
+                    blocks += int(n)
+                size = sample.labels.get("block_size", "")
+                if size.isdigit():
+                    block_size = int(size)
+            continue
+        kind = _ALIASES.get(family.name)
+        if kind is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if kind == "kv_usage":
+                usage.append(sample.value)
+            else:
+                sums[kind] = sums.get(kind, 0.0) + sample.value
+    scrape.num_gpu_blocks = blocks or None
+    scrape.block_size = block_size
+    scrape.kv_usage = sum(usage) / len(usage) if usage else None
+    for kind, value in sums.items():
+        setattr(scrape, kind, value)
+    return scrape
+
+
+@dataclass(slots=True)
+class Replica:
+    """A replica and what kvgate knows of it. Mutated only by discovery and the request path
+    on the event loop thread."""
+
+    config: ReplicaConfig
+    pool: str
+    healthy: bool = False
+    models: frozenset[str] = frozenset()
+    max_model_lens: dict[str, int] = field(default_factory=dict)
+    scrape: Scrape | None = None
+    last_seen: float = 0.0
+    last_error: str | None = None
+    # request id -> tokens it has written so far (prompt + generated), for this instance's
+    # in-flight requests here
+    inflight: dict[str, Callable[[], int]] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def api_key(self) -> str | None:
+        return secret(self.config.api_key)
+
+    def fresh_scrape(self, stale_after_s: float, now: float | None = None) -> Scrape | None:
+        now = time.monotonic() if now is None else now
+        if self.scrape is None or now - self.scrape.at > stale_after_s:
+            return None
+        return self.scrape
+
+    @property
+    def block_size(self) -> int | None:
+        if self.config.block_size is not None:
+            return self.config.block_size
+        return self.scrape.block_size if self.scrape else None
+
+    @property
+    def num_gpu_blocks(self) -> int | None:
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        return self.scrape.num_gpu_blocks if self.scrape else None
+
+    def max_model_len(self, model: str) -> int | None:
+        if self.config.max_model_len is not None:
+            return self.config.max_model_len
+        return self.max_model_lens.get(model)
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def written_blocks(self) -> int:
+        size = self.block_size or 16
+        return sum(math.ceil(written() / size) for written in self.inflight.values())
+
+
+class Registry:
+    """All replicas by id, with the pool each belongs to. Reconfigured in place on reload so
+    that in-flight requests and their replica objects stay valid."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, Replica] = {}
+
+    def sync(self, pools: Mapping[str, Iterable[ReplicaConfig]]) -> None:
+        wanted: dict[str, Replica] = {}
+        for pool, configs in pools.items():
+            for config in configs:
+                current = self._replicas.get(config.id)
+                if current is not None and current.url == config.url:
+                    current.config, current.pool = config, pool
+                    wanted[config.id] = current
+                else:
+                    wanted[config.id] = Replica(config=config, pool=pool)
+        self._replicas = wanted
+
+    def __iter__(self) -> Iterable[Replica]:  # type: ignore[misc]
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def in_pool(self, pool: str) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.pool == pool]
+
+    def models(self) -> dict[str, int | None]:
+        """Every model a healthy replica serves, with the smallest max_model_len reported."""
+        out: dict[str, int | None] = {}
+        for replica in self._replicas.values():
+            if not replica.healthy:
+                continue
+            for model in replica.models:
+                length = replica.max_model_len(model)
+                known = out.get(model)
+                out[model] = length if known is None else min(known, length or known)
+        return out
+
+
+async def discover(
+    session: aiohttp.ClientSession, replica: Replica, config: DiscoveryConfig
+) -> None:
+    """Refresh one replica; on any failure mark it unhealthy and keep its last figures."""
+    headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+    try:
+        async with session.get(f"{replica.url}/health", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"/health answered {resp.status}")
+        async with session.get(f"{replica.url}/v1/models", headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"/v1/models answered {resp.status}")
+            listing = orjson.loads(await resp.read())
+        async with session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
+            metrics = await resp.text() if resp.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+        if replica.healthy:
+            log.warning("replica %s is unhealthy: %s", replica.id, exc or type(exc).__name__)
+        replica.healthy = False
+        replica.last_error = str(exc) or type(exc).__name__
+        return
+    now = time.monotonic()
+    models = {}
+    for entry in listing.get("data", []) if isinstance(listing, dict) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            length = entry.get("max_model_len")
+            models[entry["id"]] = length if isinstance(length, int) else None
+    replica.models = frozenset(models)
+    replica.max_model_lens = {m: n for m, n in models.items() if n is not None}
+    if metrics:
+        try:
+            replica.scrape = await asyncio.to_thread(parse_vllm_metrics, metrics, now)
+        except ValueError as exc:
+            log.warning("replica %s: unreadable /metrics: %s", replica.id, exc)
+    if not replica.healthy:
+        log.info("replica %s is healthy", replica.id)
+    replica.healthy = True
+    replica.last_seen = now
+    replica.last_error = None
+
+
+async def discovery_loop(
+    session: aiohttp.ClientSession, registry: Registry, config: DiscoveryConfig,
+    wake: asyncio.Event | None = None,
+) -> None:
+    """Scrape every replica each interval, all at once, until cancelled."""
+    while True:
+        replicas = list(registry)
+        await asyncio.gather(*(discover(session, r, config) for r in replicas))
+        if wake is not None:
+            wake.set()
+        await asyncio.sleep(config.interval_s)

@@ -1,0 +1,140 @@
+"""The parsed request: what kvgate reads from an OpenAI request body, validated.
+
+Only the fields kvgate interprets are checked; every other field (vLLM's extensions such as
+`ignore_eos`, `priority`, `chat_template_kwargs`, `guided_json`) passes through untouched.
+Bad input raises `BadRequest` naming the field, and is never forwarded.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvgate.errors import BadRequest
+
+# No model has a context this long; a larger max_tokens is a client bug, not a request.
+ABSURD_MAX_TOKENS = 10_000_000
+
+
+class Endpoint(enum.Enum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]  # the client's body; copy before changing it for upstream
+    model: str
+    stream: bool
+    client_wants_usage: bool  # stream_options.include_usage as the client sent it
+    max_tokens: int | None  # as the client sent it (max_completion_tokens counts too)
+    user: str | None
+    session_key: str | None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.body.get("messages") or []
+
+
+def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None) -> ParsedRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+
+    if endpoint is Endpoint.CHAT:
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    wants_usage = bool(options and options.get("include_usage") is True)
+
+    max_tokens = _max_tokens(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest("'user' must be a string", param="user")
+    session = session_header or user
+    return ParsedRequest(
+        endpoint=endpoint,
+        body=body,
+        model=model,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        max_tokens=max_tokens,
+        user=user,
+        session_key=session or None,
+    )
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    found = None
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(f"'{field}' must be an integer", param=field)
+        if value < 1:
+            raise BadRequest(f"'{field}' must be at least 1, got {value}", param=field)
+        if value > ABSURD_MAX_TOKENS:
+            raise BadRequest(f"'{field}' of {value} is beyond any model's context", param=field)
+        found = value if found is None else min(found, value)
+    return found
+
+
+def _check_messages(messages: Any) -> None:
+    if messages is None:
+        raise BadRequest("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(f"'{where}' must be an object", param=where)
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"'{where}.role' must be a string", param=f"{where}.role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(
+                f"'{where}.content' must be a string or an array of parts", param=f"{where}.content"
+            )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise BadRequest(
+                        f"'{where}.content[{j}]' must be an object with a 'type'",
+                        param=f"{where}.content",
+                    )
+
+
+def _check_prompt(prompt: Any) -> None:
+    if prompt is None:
+        raise BadRequest("'prompt' is required", param="prompt")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
+            return
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return
+    raise BadRequest(
+        "'prompt' must be a string, an array of strings, or an array of token ids", param="prompt"
+    )

@@ -1,0 +1,1 @@
+"""Routing: which pool a request belongs to, and which replicas of it to try, in order."""

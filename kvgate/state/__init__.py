@@ -1,0 +1,1 @@
+"""Shared state: one interface, an in-memory implementation and a Redis one."""

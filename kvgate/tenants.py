@@ -1,0 +1,243 @@
+"""Tenants: who is asking (API-key hash, or a trusted header), and their token budgets.
+
+Budgets are charged in tokens, not requests: at admission a request is charged its worst case
+(prompt + max_tokens) and one request; when it ends the charge is settled to what vLLM reports
+it used (the unused part refunded, an undercount charged), and a request that failed before
+its first token is refunded whole. Each step is one atomic state-store call, so several kvgate
+instances on one Redis enforce one limit. A tenant's concurrent requests are leases, so a
+crashed instance's count comes back by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import math
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from kvgate.config import AuthConfig, TenantConfig
+from kvgate.errors import BadRequest, Forbidden, RateLimited, Unauthorized
+from kvgate.metrics import Metrics
+from kvgate.state.base import BucketLimit, BucketState, StateStore
+
+ANONYMOUS = TenantConfig(name="anonymous")
+CONCURRENCY_TTL_S = 30.0
+
+
+class Directory:
+    """Finds the tenant of a request. Built from config; rebuilt on reload."""
+
+    def __init__(self, auth: AuthConfig, tenants: list[TenantConfig]) -> None:
+        self.auth = auth
+        self._by_name = {t.name: t for t in tenants}
+        self._digests = [(bytes.fromhex(d), t) for t in tenants for d in t.api_key_sha256]
+        self._trusted = [ipaddress.ip_network(n, strict=False) for n in auth.trusted_networks]
+
+    def identify(self, headers: Mapping[str, str], peer: str | None) -> TenantConfig:
+        if self.auth.mode == "none":
+            return self._anonymous() or ANONYMOUS
+        if self.auth.mode == "trusted_header":
+            claimed = headers.get(self.auth.tenant_header)
+            if claimed is not None:
+                if not self._is_trusted(peer):
+                    raise Unauthorized(
+                        f"{self.auth.tenant_header} is only accepted from trusted networks"
+                    )
+                tenant = self._by_name.get(claimed)
+                if tenant is None:
+                    raise Unauthorized(f"unknown tenant {claimed!r}")
+                return tenant
+        key = _bearer(headers.get("Authorization"))
+        if key is None:
+            anonymous = self._anonymous()
+            if anonymous is None:
+                raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            return anonymous
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        for candidate, tenant in self._digests:  # compare against all: constant time per key
+            if hmac.compare_digest(candidate, digest):
+                found = tenant
+        if found is None:
+            raise Unauthorized("invalid API key")
+        return found
+
+    def _anonymous(self) -> TenantConfig | None:
+        name = self.auth.anonymous_tenant
+        return self._by_name.get(name) if name else None
+
+    def _is_trusted(self, peer: str | None) -> bool:
+        if not peer:
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(address in net for net in self._trusted)
+
+
+def _bearer(value: str | None) -> str | None:
+    if not value:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def check_access(tenant: TenantConfig, model: str) -> None:
+    if tenant.models is not None and model not in tenant.models:
+        raise Forbidden(f"tenant {tenant.name!r} may not use model {model!r}", code="model_not_allowed")
+
+
+@dataclass(slots=True)
+class Charge:
+    """A tenant's hold for one request: settle it with the real usage before leaving."""
+
+    tenant: TenantConfig
+    reserved_tokens: int
+    headers: dict[str, str] = field(default_factory=dict)
+    settled: bool = False
+
+
+class Budgets:
+    def __init__(self, store: StateStore, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def charge(self, tenant: TenantConfig, worst_tokens: int) -> AsyncIterator[Charge]:
+        """Charge one request and its worst case; on exit, refund whatever `settle` did not
+        account for (everything, if the request never ran)."""
+        tpm, rpm = _limits(tenant)
+        if tpm is not None and worst_tokens > tpm.capacity:
+            raise BadRequest(
+                f"this request's worst case of {worst_tokens} tokens exceeds tenant "
+                f"{tenant.name!r}'s budget of {tpm.capacity} tokens per minute; lower max_tokens",
+                code="exceeds_token_budget", param="max_tokens",
+            )
+        charge = Charge(tenant, worst_tokens)
+        async with self._concurrency(tenant):
+            await self._take(charge, rpm, tpm)
+            try:
+                yield charge
+            finally:
+                if not charge.settled:
+                    await self._refund(charge, worst_tokens, tpm)
+
+    async def settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
+        """Correct the charge to actual usage: refund the unused part or charge the excess."""
+        tpm, _ = _limits(charge.tenant)
+        charge.settled = True
+        name = charge.tenant.name
+        self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt_tokens)
+        self.metrics.tenant_tokens.labels(name, "completion").inc(completion_tokens)
+        delta = charge.reserved_tokens - (prompt_tokens + completion_tokens)
+        if delta > 0:
+            await self._refund(charge, delta, tpm)
+        elif delta < 0 and tpm is not None:
+            state = await self.store.take(_bucket(name, "tokens"), -delta, tpm, force=True)
+            self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
+
+    async def refund_all(self, charge: Charge) -> None:
+        tpm, _ = _limits(charge.tenant)
+        charge.settled = True
+        await self._refund(charge, charge.reserved_tokens, tpm)
+
+    async def _refund(self, charge: Charge, tokens: int, tpm: BucketLimit | None) -> None:
+        name = charge.tenant.name
+        self.metrics.tenant_tokens.labels(name, "refunded").inc(tokens)
+        if tpm is not None and tokens > 0:
+            state = await self.store.put_back(_bucket(name, "tokens"), tokens, tpm)
+            self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
+
+    async def _take(
+        self, charge: Charge, rpm: BucketLimit | None, tpm: BucketLimit | None
+    ) -> None:
+        name = charge.tenant.name
+        requests = tokens = None
+        if rpm is not None:
+            requests = await self.store.take(_bucket(name, "requests"), 1, rpm)
+            if not requests.allowed:
+                headers = rate_limit_headers(rpm, requests, tpm, None)
+                raise RateLimited(
+                    f"tenant {name!r} is over its {rpm.capacity} requests per minute",
+                    retry_after_s=requests.retry_after_s, headers=headers,
+                )
+        if tpm is not None:
+            tokens = await self.store.take(_bucket(name, "tokens"), charge.reserved_tokens, tpm)
+            if not tokens.allowed:
+                if rpm is not None:
+                    await self.store.put_back(_bucket(name, "requests"), 1, rpm)
+                raise RateLimited(
+                    f"tenant {name!r} is over its {tpm.capacity} tokens per minute: this "
+                    f"request may use {charge.reserved_tokens} and {max(0, tokens.remaining)} "
+                    "are left",
+                    retry_after_s=tokens.retry_after_s,
+                    headers=rate_limit_headers(rpm, requests, tpm, tokens),
+                )
+            self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
+        self.metrics.tenant_tokens.labels(name, "reserved").inc(charge.reserved_tokens)
+        charge.headers = rate_limit_headers(rpm, requests, tpm, tokens)
+
+    @contextlib.asynccontextmanager
+    async def _concurrency(self, tenant: TenantConfig) -> AsyncIterator[None]:
+        gauge = self.metrics.tenant_concurrency.labels(tenant.name)
+        limit = tenant.max_concurrent
+        if limit is None:
+            gauge.inc()
+            try:
+                yield
+            finally:
+                gauge.dec()
+            return
+        pool, lease = f"concurrency:{tenant.name}", uuid.uuid4().hex
+        if not await self.store.try_acquire(pool, lease, 1, limit, CONCURRENCY_TTL_S):
+            raise RateLimited(
+                f"tenant {tenant.name!r} already has {limit} requests in flight",
+                code="concurrency_limit", retry_after_s=1.0,
+            )
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            await self.store.release(pool, lease)
+
+
+def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | None]:
+    tpm = BucketLimit(tenant.tokens_per_minute) if tenant.tokens_per_minute else None
+    rpm = BucketLimit(tenant.requests_per_minute) if tenant.requests_per_minute else None
+    return tpm, rpm
+
+
+def _bucket(tenant: str, kind: str) -> str:
+    return f"budget:{tenant}:{kind}"
+
+
+def rate_limit_headers(
+    rpm: BucketLimit | None,
+    requests: BucketState | None,
+    tpm: BucketLimit | None,
+    tokens: BucketState | None,
+) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for the limits a tenant has."""
+    headers: dict[str, str] = {}
+    for kind, limit, state in (("requests", rpm, requests), ("tokens", tpm, tokens)):
+        if limit is None or state is None:
+            continue
+        headers[f"x-ratelimit-limit-{kind}"] = str(limit.capacity)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, state.remaining))
+        headers[f"x-ratelimit-reset-{kind}"] = _duration(state.reset_s)
+    return headers
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's format: '1s', '6m0s', '20ms'."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"

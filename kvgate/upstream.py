@@ -1,0 +1,308 @@
+"""Forwarding to a replica and relaying its answer: headers, timeouts, SSE relay, usage.
+
+Every stream asks the replica for usage (`stream_options.include_usage`), so kvgate always
+learns the real token counts; the usage chunk is stripped from the client's stream when the
+client did not ask for it. Chunks are relayed as they arrive, never buffered whole, and each
+write waits for the client to drain (backpressure). Failures before the response starts raise
+a `KvgateError` (mapped to 502/503/504 by the error middleware); failures after it started are
+sent as a final SSE `data: {"error": ...}` event and the stream ends cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvgate.config import TimeoutsConfig
+from kvgate.errors import KvgateError, UpstreamError, UpstreamTimeout
+from kvgate.replicas import Replica
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+        "Accept-Encoding", "Content-Encoding",
+    )
+)
+# Client headers that only concern kvgate and are never sent on.
+PRIVATE = frozenset({"x-kvgate-session", "x-tenant-id"})
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened on the wire, for settling and metrics."""
+
+    status: int = 0
+    usage: Usage | None = None
+    streamed_tokens: int = 0  # content chunks relayed (≈ tokens; vLLM sends one per token)
+    first_token_at: float | None = None
+    client_disconnected: bool = False
+    upstream_failed: bool = False
+
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage else self.streamed_tokens
+
+
+def upstream_headers(
+    incoming: Mapping[str, str], request_id: str, replica: Replica, *, drop_authorization: bool
+) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lowered = name.lower()
+        if lowered in HOP_BY_HOP or lowered in PRIVATE:
+            continue
+        if lowered == "authorization" and (drop_authorization or replica.api_key):
+            continue
+        headers.add(name, value)
+    if replica.api_key:
+        headers["Authorization"] = f"Bearer {replica.api_key}"
+    headers["X-Request-Id"] = request_id
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"  # SSE is relayed and inspected as it arrives
+    return headers
+
+
+def _openai_error_body(raw: bytes, status: int) -> dict[str, Any]:
+    """A replica's error body in OpenAI's shape (vLLM's older form has the fields at top level)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        body = dict(error)
+    elif isinstance(data, dict) and "message" in data:
+        body = {k: data.get(k) for k in ("message", "type", "param", "code")}
+    else:
+        text = raw.decode("utf-8", "replace")[:500] if raw else str(error or "")
+        body = {"message": text or f"upstream answered {status}", "type": "upstream_error"}
+    message = str(body.get("message", ""))
+    if status == 400 and "context length" in message.lower():
+        body["code"] = "context_length_exceeded"
+    body.setdefault("param", None)
+    body.setdefault("code", None)
+    return {"error": body}
+
+
+class Relay:
+    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutsConfig) -> None:
+        self.session = session
+        self.timeouts = timeouts
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        headers: CIMultiDict[str],
+        replica: Replica,
+        response_headers: Mapping[str, str],
+        *,
+        stream: bool,
+        client_wants_usage: bool,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        """Send `body` to the replica and relay its answer; `outcome` is filled in as it goes
+        (so a caller that is cancelled midway still knows what was streamed)."""
+        t = self.timeouts
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s)
+        deadline = time.monotonic() + t.total_s
+        try:
+            async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
+                upstream = await self.session.post(
+                    f"{replica.url}{path}", data=orjson.dumps(body), headers=headers,
+                    timeout=timeout, auto_decompress=False,
+                )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"replica {replica.id} did not answer within {t.first_byte_s:g}s"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
+        async with upstream:
+            outcome.status = upstream.status
+            if upstream.status >= 400 or not stream:
+                return await self._relay_whole(upstream, replica, response_headers, outcome, deadline)
+            return await self._relay_stream(
+                request, upstream, replica, response_headers, outcome, deadline, client_wants_usage
+            )
+
+    async def _relay_whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        replica: Replica,
+        response_headers: Mapping[str, str],
+        outcome: Outcome,
+        deadline: float,
+    ) -> web.StreamResponse:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                raw = await upstream.read()
+        except TimeoutError:
+            outcome.upstream_failed = True
+            raise UpstreamTimeout(f"replica {replica.id} did not finish in time") from None
+        except aiohttp.ClientError as exc:
+            outcome.upstream_failed = True
+            raise UpstreamError(f"replica {replica.id} failed mid-response: {exc}") from None
+        status = upstream.status
+        if status >= 500:
+            outcome.upstream_failed = True
+            detail = _openai_error_body(raw, status)["error"]["message"]
+            error: KvgateError = UpstreamError(f"replica {replica.id} answered {status}: {detail}")
+            if status == 503:
+                error.status = 503
+            raise error
+        if status >= 400:
+            return web.json_response(
+                _openai_error_body(raw, status), status=status, headers=response_headers,
+                dumps=lambda v: orjson.dumps(v).decode(),
+            )
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            outcome.upstream_failed = True
+            raise UpstreamError(f"replica {replica.id} answered with invalid JSON") from None
+        usage = data.get("usage") if isinstance(data, dict) else None
+        outcome.usage = _usage(usage)
+        outcome.first_token_at = time.monotonic()
+        return web.Response(
+            body=raw, status=status, headers=response_headers, content_type="application/json"
+        )
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        replica: Replica,
+        response_headers: Mapping[str, str],
+        outcome: Outcome,
+        deadline: float,
+        client_wants_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=response_headers)
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        buffer = b""
+        idle = self.timeouts.idle_s
+        try:
+            while True:
+                budget = min(idle, deadline - time.monotonic())
+                if budget <= 0:
+                    raise UpstreamTimeout(f"replica {replica.id} exceeded the total time limit")
+                try:
+                    async with asyncio.timeout(budget):
+                        chunk = await upstream.content.readany()
+                except TimeoutError:
+                    raise UpstreamTimeout(
+                        f"replica {replica.id} sent nothing for {budget:.3g}s mid-stream"
+                    ) from None
+                if not chunk:
+                    break
+                buffer += chunk.replace(b"\r\n", b"\n")
+                *events, buffer = buffer.split(b"\n\n")
+                out = self._filter(events, outcome, client_wants_usage)
+                if out:
+                    await self._write(response, out, outcome)
+            if buffer.strip():
+                out = self._filter([buffer], outcome, client_wants_usage)
+                if out:
+                    await self._write(response, out, outcome)
+        except (aiohttp.ClientError, UpstreamTimeout) as exc:
+            if outcome.client_disconnected:
+                return response
+            outcome.upstream_failed = True
+            error = exc if isinstance(exc, KvgateError) else UpstreamError(
+                f"replica {replica.id} broke the stream: {exc or type(exc).__name__}"
+            )
+            await self._write_quietly(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
+        except ConnectionResetError:
+            outcome.client_disconnected = True
+            return response
+        await self._close_quietly(response)
+        return response
+
+    def _filter(
+        self,
+        events: list[bytes],
+        outcome: Outcome,
+        client_wants_usage: bool,
+    ) -> bytes:
+        out = []
+        tokens = 0
+        for event in events:
+            if not event.strip():
+                continue
+            if b'"usage"' in event and event.startswith(b"data:"):
+                usage, has_choices = _usage_event(event)
+                if usage is not None:
+                    outcome.usage = usage
+                    if not has_choices and not client_wants_usage:
+                        continue
+            if (b'"content":"' in event and b'"content":""' not in event) or (
+                b'"text":"' in event and b'"text":""' not in event
+            ):
+                tokens += 1
+            out.append(event)
+            out.append(b"\n\n")
+        if tokens:
+            if outcome.first_token_at is None:
+                outcome.first_token_at = time.monotonic()
+            outcome.streamed_tokens += tokens
+        return b"".join(out)
+
+    @staticmethod
+    async def _write(response: web.StreamResponse, data: bytes, outcome: Outcome) -> None:
+        try:
+            await response.write(data)
+        except ConnectionResetError:
+            outcome.client_disconnected = True
+            raise
+
+    @staticmethod
+    async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionResetError:
+            pass
+
+    @staticmethod
+    async def _close_quietly(response: web.StreamResponse) -> None:
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+def _usage(value: Any) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return Usage(prompt, completion)
+    return None
+
+
+def _usage_event(event: bytes) -> tuple[Usage | None, bool]:
+    try:
+        data = orjson.loads(event[5:].strip())
+    except orjson.JSONDecodeError:
+        return None, True
+    if not isinstance(data, dict):
+        return None, True
+    return _usage(data.get("usage")), bool(data.get("choices"))
