@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
@@ -27,11 +28,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.config import AdmissionConfig
-from kvgate.errors import NeverFits, NoReplica, RateLimited
+from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.metrics import Metrics
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
-from kvgate.state.base import StateStore
+from kvgate.state.base import StateStore, StateStoreError
+
+log = logging.getLogger(__name__)
 
 # While requests wait, look at the shared ledger at least this often: other instances'
 # releases are not announced to this one.
@@ -282,7 +285,7 @@ class Admission:
                     continue
                 if slot is None:
                     break
-                pool.queue.remove(ticket)
+                pool.queue.serve(ticket)
                 if future.done():  # the waiter left while we were placing it
                     await self._release(pool, slot)
                 else:
@@ -305,6 +308,9 @@ class Admission:
         pool.releases.append(time.monotonic())
         try:
             await asyncio.shield(self.store.release(key, slot.lease_id))
+        except (StateStoreError, KvgateError) as exc:
+            # The lease stops being renewed and expires within its TTL: capacity comes back.
+            log.warning("could not release lease on %s (expires by TTL): %s", key, exc)
         finally:
             pool.wake.set()
 

@@ -102,7 +102,10 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     if start is not None:
         await start()
     tasks = [
-        _task(discovery_loop(session, gateway.registry, config.discovery, _WakeAdmission(gateway))),
+        _task(discovery_loop(
+            session, gateway.registry, lambda: gateway.runtime.config.discovery,
+            gateway.admission.wake_all,
+        )),
         _task(gateway.admission.keeper.run()),
         _task(_refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
@@ -119,16 +122,6 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
 
 
 TASKS = web.AppKey("tasks", list)
-
-
-class _WakeAdmission:
-    """Passed to discovery as its `wake` event: new figures may let queued requests in."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-
-    def set(self) -> None:
-        self.gateway.admission.wake_all()
 
 
 def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

@@ -18,10 +18,16 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Import only the command asked for (all of them for --help): `kvgate plan` need not load
+    # aiohttp, and one command's import error cannot break another.
+    chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if chosen is not None and name != chosen:
+            continue
         module = importlib.import_module(module_name)
         module.add_arguments(command_parser)
         command_parser.set_defaults(run=module.run)

@@ -128,10 +128,7 @@ class RateLimited(ClientError):
         merged["Retry-After"] = str(max(1, round(retry_after_s + 0.499)))
         super().__init__(message, code=code, headers=merged)
         self.retry_after_s = retry_after_s
-
-    @property  # type: ignore[override]
-    def refusal_reason(self) -> str:
-        return self.code or "rate_limited"
+        self.refusal_reason = self.code or "rate_limited"
 
 
 class ServerError(KvgateError):

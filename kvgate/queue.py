@@ -65,7 +65,17 @@ class FairQueue:
         self._size += 1
         return shed
 
+    def serve(self, ticket: Ticket) -> bool:
+        """Remove a ticket because it was served: its tenant goes to the back of the round."""
+        if not self.remove(ticket):
+            return False
+        cls = self._classes[ticket.rank]
+        if ticket.tenant in cls.tenants:
+            cls.tenants.move_to_end(ticket.tenant)
+        return True
+
     def remove(self, ticket: Ticket) -> bool:
+        """Remove a ticket that leaves without being served (timeout, disconnect)."""
         cls = self._classes[ticket.rank]
         tickets = cls.tenants.get(ticket.tenant)
         if tickets is None:
@@ -121,7 +131,8 @@ class FairQueue:
 
     def _shed_from(self, rank: int) -> Ticket:
         cls = self._classes[rank]
-        tenant = max(cls.tenants, key=lambda t: len(cls.tenants[t]))
+        # the tenant with the most queued; among equals, the one whose last ticket is newest
+        tenant = max(cls.tenants, key=lambda t: (len(cls.tenants[t]), cls.tenants[t][-1].enqueued_at))
         ticket = cls.tenants[tenant].pop()
         if not cls.tenants[tenant]:
             del cls.tenants[tenant]

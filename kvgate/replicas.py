@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -165,7 +165,7 @@ class Registry:
                     wanted[config.id] = Replica(config=config, pool=pool)
         self._replicas = wanted
 
-    def __iter__(self) -> Iterable[Replica]:  # type: ignore[misc]
+    def __iter__(self) -> Iterator[Replica]:
         return iter(list(self._replicas.values()))
 
     def __len__(self) -> int:
@@ -233,13 +233,15 @@ async def discover(
 
 
 async def discovery_loop(
-    session: aiohttp.ClientSession, registry: Registry, config: DiscoveryConfig,
-    wake: asyncio.Event | None = None,
+    session: aiohttp.ClientSession,
+    registry: Registry,
+    config: Callable[[], DiscoveryConfig],
+    after_round: Callable[[], None] = lambda: None,
 ) -> None:
-    """Scrape every replica each interval, all at once, until cancelled."""
+    """Scrape every replica each interval, all at once, until cancelled; `after_round` runs
+    after each round (new figures may let queued requests in)."""
     while True:
-        replicas = list(registry)
-        await asyncio.gather(*(discover(session, r, config) for r in replicas))
-        if wake is not None:
-            wake.set()
-        await asyncio.sleep(config.interval_s)
+        current = config()
+        await asyncio.gather(*(discover(session, r, current) for r in registry))
+        after_round()
+        await asyncio.sleep(current.interval_s)

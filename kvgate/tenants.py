@@ -14,15 +14,18 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.config import AuthConfig, TenantConfig
-from kvgate.errors import BadRequest, Forbidden, RateLimited, Unauthorized
+from kvgate.errors import BadRequest, Forbidden, KvgateError, RateLimited, Unauthorized
 from kvgate.metrics import Metrics
-from kvgate.state.base import BucketLimit, BucketState, StateStore
+from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
+
+log = logging.getLogger(__name__)
 
 ANONYMOUS = TenantConfig(name="anonymous")
 CONCURRENCY_TTL_S = 30.0
@@ -125,7 +128,8 @@ class Budgets:
                 yield charge
             finally:
                 if not charge.settled:
-                    await self._refund(charge, worst_tokens, tpm)
+                    async with _settling(charge):
+                        await self._refund(charge, worst_tokens, tpm)
 
     async def settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
         """Correct the charge to actual usage: refund the unused part or charge the excess."""
@@ -135,16 +139,12 @@ class Budgets:
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt_tokens)
         self.metrics.tenant_tokens.labels(name, "completion").inc(completion_tokens)
         delta = charge.reserved_tokens - (prompt_tokens + completion_tokens)
-        if delta > 0:
-            await self._refund(charge, delta, tpm)
-        elif delta < 0 and tpm is not None:
-            state = await self.store.take(_bucket(name, "tokens"), -delta, tpm, force=True)
-            self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
-
-    async def refund_all(self, charge: Charge) -> None:
-        tpm, _ = _limits(charge.tenant)
-        charge.settled = True
-        await self._refund(charge, charge.reserved_tokens, tpm)
+        async with _settling(charge):
+            if delta > 0:
+                await self._refund(charge, delta, tpm)
+            elif delta < 0 and tpm is not None:
+                state = await self.store.take(_bucket(name, "tokens"), -delta, tpm, force=True)
+                self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
 
     async def _refund(self, charge: Charge, tokens: int, tpm: BucketLimit | None) -> None:
         name = charge.tenant.name
@@ -204,7 +204,22 @@ class Budgets:
             yield
         finally:
             gauge.dec()
-            await self.store.release(pool, lease)
+            try:
+                await self.store.release(pool, lease)
+            except (StateStoreError, KvgateError) as exc:
+                log.warning("could not release %s's concurrency lease (expires by TTL): %s",
+                            tenant.name, exc)
+
+
+@contextlib.asynccontextmanager
+async def _settling(charge: Charge) -> AsyncIterator[None]:
+    """Settling happens as a request ends: a store failure then must not turn an answer the
+    client already has into an error. The charge stays as reserved (the tenant pays the worst
+    case for this request), which is logged."""
+    try:
+        yield
+    except (StateStoreError, KvgateError) as exc:
+        log.warning("could not settle tenant %s's charge: %s", charge.tenant.name, exc)
 
 
 def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | None]:

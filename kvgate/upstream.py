@@ -11,6 +11,7 @@ sent as a final SSE `data: {"error": ...}` event and the stream ends cleanly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -276,17 +277,13 @@ class Relay:
 
     @staticmethod
     async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
-        try:
+        with contextlib.suppress(ConnectionResetError):
             await response.write(data)
-        except ConnectionResetError:
-            pass
 
     @staticmethod
     async def _close_quietly(response: web.StreamResponse) -> None:
-        try:
+        with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        except ConnectionResetError:
-            pass
 
 
 def _usage(value: Any) -> Usage | None:

@@ -71,7 +71,7 @@ def _count(gateway: Gateway, info: RequestInfo, error: KvgateError) -> None:
 
 def _from_http(exc: web.HTTPException) -> KvgateError | None:
     if exc.status == 404:
-        return NotFound(f"no such endpoint", code="unknown_url")
+        return NotFound("no such endpoint", code="unknown_url")
     if exc.status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
         return MethodNotAllowed(

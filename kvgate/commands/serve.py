@@ -12,8 +12,15 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from kvgate.app import GATEWAY, build_app, reload
-from kvgate.config import Config, ConfigError, apply_overrides, parse_config, quick_config, read_tree
+from kvgate.app import build_app, reload
+from kvgate.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    parse_config,
+    quick_config,
+    read_tree,
+)
 from kvgate.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
@@ -63,10 +70,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     _use_uvloop()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(app, config, load))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -97,7 +102,7 @@ async def serve(
 
 
 def _url(site: web.TCPSite) -> str:
-    server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+    server = site._server
     sockets = getattr(server, "sockets", None) or []
     host, port = sockets[0].getsockname()[:2] if sockets else ("127.0.0.1", 0)
     return f"http://{host}:{port}"
@@ -110,4 +115,3 @@ def _use_uvloop() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-__all__ = ["GATEWAY", "add_arguments", "run", "serve"]

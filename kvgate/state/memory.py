@@ -1,0 +1,218 @@
+"""The in-memory StateStore: one kvgate instance's state, with an injectable clock.
+
+Used when kvgate runs alone (`state.backend: memory`) and as the local fallback when Redis is
+down and the failure mode is fail_open. Same semantics as the Redis store (the contract suite in
+tests/state/test_contract.py runs against both); the bucket arithmetic here is mirrored by
+kvgate/state/lua/bucket.lua.
+
+Concurrency: asyncio-safe because no method awaits inside its critical section (the methods are
+`async` only to match the Protocol). Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgate.state.base import BucketLimit, BucketState
+
+# Expired bindings and full buckets are dropped in a sweep once the table has doubled since the
+# last one, so the tables stay proportional to what is live (sessions come and go).
+_MIN_SWEEP_SIZE = 1024
+
+
+@dataclass(slots=True)
+class _Lease:
+    amount: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A token bucket's level (may be negative: debt) as of `updated_at`, under `limit`."""
+
+    level: float
+    updated_at: float
+    limit: BucketLimit
+
+    def refill(self, now: float, limit: BucketLimit) -> None:
+        """Bring the level up to `now`; a changed limit applies from here on."""
+        self.level = self.level_at(now, limit)
+        self.updated_at = now
+        self.limit = limit
+
+    def level_at(self, now: float, limit: BucketLimit) -> float:
+        elapsed = max(0.0, now - self.updated_at)
+        return min(float(limit.capacity), self.level + elapsed * limit.rate_per_s)
+
+    def state(self, allowed: bool, retry_after_s: float, limit: BucketLimit) -> BucketState:
+        return BucketState(
+            allowed=allowed,
+            remaining=remaining_units(self.level),
+            retry_after_s=retry_after_s,
+            reset_s=(limit.capacity - self.level) / limit.rate_per_s,
+        )
+
+
+def remaining_units(level: float) -> int:
+    """Whole units left; the epsilon keeps float refill error from costing a unit."""
+    return math.floor(level + 1e-9)
+
+
+def check_limit(limit: BucketLimit) -> None:
+    if limit.capacity <= 0 or limit.period_s <= 0:
+        raise ValueError(f"a bucket needs capacity > 0 and period_s > 0, got {limit}")
+
+
+class MemoryStore:
+    backend = "memory"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pools: dict[str, dict[str, _Lease]] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._bindings: dict[str, tuple[str, float]] = {}
+        self._sweep_buckets_at = _MIN_SWEEP_SIZE
+        self._sweep_bindings_at = _MIN_SWEEP_SIZE
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def _live_pool(self, pool: str, now: float) -> dict[str, _Lease]:
+        leases = self._pools.get(pool)
+        if leases is None:
+            return {}
+        expired = [lease_id for lease_id, lease in leases.items() if lease.expires_at <= now]
+        for lease_id in expired:
+            del leases[lease_id]
+        if not leases:
+            del self._pools[pool]
+        return leases
+
+    async def try_acquire(
+        self, pool: str, lease_id: str, amount: int, limit: int, ttl_s: float
+    ) -> bool:
+        now = self._clock()
+        leases = self._live_pool(pool, now)
+        current = leases[lease_id].amount if lease_id in leases else 0
+        held = sum(lease.amount for lease in leases.values())
+        if held - current + amount > limit:
+            return False
+        self._pools.setdefault(pool, leases)[lease_id] = _Lease(amount, now + ttl_s)
+        return True
+
+    async def release(self, pool: str, lease_id: str) -> int:
+        leases = self._live_pool(pool, self._clock())
+        lease = leases.pop(lease_id, None)
+        if not leases:
+            self._pools.pop(pool, None)
+        return lease.amount if lease is not None else 0
+
+    async def renew(self, pool: str, lease_ids: list[str], ttl_s: float) -> int:
+        now = self._clock()
+        leases = self._live_pool(pool, now)
+        live = 0
+        for lease_id in lease_ids:
+            lease = leases.get(lease_id)
+            if lease is not None:
+                lease.expires_at = now + ttl_s
+                live += 1
+        return live
+
+    async def held(self, pool: str) -> int:
+        leases = self._live_pool(pool, self._clock())
+        return sum(lease.amount for lease in leases.values())
+
+    # --- token buckets ------------------------------------------------------------------------
+
+    def _bucket(self, bucket: str, limit: BucketLimit) -> _Bucket:
+        check_limit(limit)
+        now = self._clock()
+        state = self._buckets.get(bucket)
+        if state is None:
+            if len(self._buckets) >= self._sweep_buckets_at:
+                self._sweep_buckets(now)
+            state = self._buckets[bucket] = _Bucket(float(limit.capacity), now, limit)
+        state.refill(now, limit)
+        return state
+
+    def _sweep_buckets(self, now: float) -> None:
+        # A full bucket is the same as a missing one.
+        full = [
+            name
+            for name, b in self._buckets.items()
+            if b.level_at(now, b.limit) >= b.limit.capacity
+        ]
+        for name in full:
+            del self._buckets[name]
+        self._sweep_buckets_at = max(_MIN_SWEEP_SIZE, 2 * len(self._buckets))
+
+    async def take(
+        self, bucket: str, amount: int, limit: BucketLimit, *, force: bool = False
+    ) -> BucketState:
+        state = self._bucket(bucket, limit)
+        if force or amount <= state.level:
+            state.level -= amount
+            return state.state(True, 0.0, limit)
+        # More than the whole capacity never fits: report the time to a full bucket.
+        retry_after_s = (min(amount, limit.capacity) - state.level) / limit.rate_per_s
+        return state.state(False, retry_after_s, limit)
+
+    async def put_back(self, bucket: str, amount: int, limit: BucketLimit) -> BucketState:
+        state = self._bucket(bucket, limit)
+        state.level = min(float(limit.capacity), state.level + amount)
+        return state.state(True, 0.0, limit)
+
+    async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
+        """What `take(bucket, 1, limit)` would answer, without taking."""
+        check_limit(limit)
+        existing = self._buckets.get(bucket)
+        now = self._clock()
+        level = existing.level_at(now, limit) if existing else float(limit.capacity)
+        state = _Bucket(level, now, limit)
+        if state.level >= 1:
+            return state.state(True, 0.0, limit)
+        return state.state(False, (1 - state.level) / limit.rate_per_s, limit)
+
+    # --- bindings -----------------------------------------------------------------------------
+
+    async def bind(self, key: str, value: str, ttl_s: float, *, replace: str | None = None) -> str:
+        now = self._clock()
+        current = self._live_binding(key, now)
+        if current is None or current == value or (replace is not None and current == replace):
+            if current is None and len(self._bindings) >= self._sweep_bindings_at:
+                self._sweep_bindings(now)
+            self._bindings[key] = (value, now + ttl_s)
+            return value
+        return current
+
+    async def lookup(self, key: str) -> str | None:
+        return self._live_binding(key, self._clock())
+
+    async def unbind(self, key: str) -> None:
+        self._bindings.pop(key, None)
+
+    def _live_binding(self, key: str, now: float) -> str | None:
+        entry = self._bindings.get(key)
+        if entry is None:
+            return None
+        value, expires_at = entry
+        if expires_at <= now:
+            del self._bindings[key]
+            return None
+        return value
+
+    def _sweep_bindings(self, now: float) -> None:
+        expired = [key for key, (_, expires_at) in self._bindings.items() if expires_at <= now]
+        for key in expired:
+            del self._bindings[key]
+        self._sweep_bindings_at = max(_MIN_SWEEP_SIZE, 2 * len(self._bindings))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def ping(self) -> float:
+        return 0.0
+
+    async def close(self) -> None:
+        return None

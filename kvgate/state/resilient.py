@@ -1,0 +1,265 @@
+"""A StateStore that survives its primary (Redis) going away, as configured.
+
+On StateStoreError from the primary:
+
+* `fail_closed` raises StateStoreUnavailable (HTTP 503): no request is admitted that the shared
+  limits have not seen.
+* `fail_open` serves from the fallback (an in-memory store): each instance enforces the limits
+  locally, so N instances admit up to N times a shared limit until Redis returns.
+
+Either way the decision is logged once when the outage starts and once when it ends (with its
+duration), and counted in plain attributes that the metrics module reads at scrape time. While
+the primary is down, calls go straight to the failure mode; a background probe pings the primary
+every `probe_interval_s` and switches back when it answers, so a dead Redis is not hit (and waited
+on) by every request.
+
+Leases taken in the fallback stay there until released: `release` / `renew` / re-acquire of such a
+lease go to the fallback even after the primary is back, and while they live their units count
+against the primary's limit for the same pool (`held` adds them), so this instance does not
+over-admit on recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Literal, TypeVar, get_args
+
+from kvgate.errors import StateStoreUnavailable
+from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
+
+FailureMode = Literal["fail_open", "fail_closed"]
+T = TypeVar("T")
+
+
+class ResilientStore:
+    def __init__(
+        self,
+        primary: StateStore,
+        fallback: StateStore,
+        mode: FailureMode,
+        *,
+        probe_interval_s: float = 1.0,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if mode not in get_args(FailureMode):
+            raise ValueError(f"failure mode must be one of {get_args(FailureMode)}, got {mode!r}")
+        self.backend = primary.backend
+        self.mode = mode
+        self.up = True
+        self.outages = 0
+        self.fallback_calls = 0
+        self.errors = 0
+        self.last_latency_s = 0.0
+        self._primary = primary
+        self._fallback = fallback
+        self._probe_interval_s = probe_interval_s
+        self._log = logger or logging.getLogger("kvgate.state")
+        self._clock = clock
+        self._past_outages_s = 0.0
+        self._down_since = 0.0
+        self._fallback_calls_at_outage = 0
+        self._probe: asyncio.Task[None] | None = None
+        self._fallback_leases: dict[str, set[str]] = {}  # pool -> lease ids held by the fallback
+
+    @property
+    def outage_seconds(self) -> float:
+        """Total time the primary has been down, the current outage included."""
+        current = 0.0 if self.up else self._clock() - self._down_since
+        return self._past_outages_s + current
+
+    # --- leases -------------------------------------------------------------------------------
+
+    async def try_acquire(
+        self, pool: str, lease_id: str, amount: int, limit: int, ttl_s: float
+    ) -> bool:
+        if self._in_fallback(pool, lease_id):
+            return await self._fallback.try_acquire(pool, lease_id, amount, limit, ttl_s)
+        local = await self._fallback_held(pool)
+
+        async def in_fallback() -> bool:
+            acquired = await self._fallback.try_acquire(pool, lease_id, amount, limit, ttl_s)
+            if acquired:
+                self._fallback_leases.setdefault(pool, set()).add(lease_id)
+            return acquired
+
+        return await self._call(
+            lambda: self._primary.try_acquire(pool, lease_id, amount, limit - local, ttl_s),
+            in_fallback,
+        )
+
+    async def release(self, pool: str, lease_id: str) -> int:
+        if self._in_fallback(pool, lease_id):
+            self._forget_fallback_lease(pool, lease_id)
+            return await self._fallback.release(pool, lease_id)
+        return await self._call(
+            lambda: self._primary.release(pool, lease_id),
+            lambda: self._fallback.release(pool, lease_id),
+        )
+
+    async def renew(self, pool: str, lease_ids: list[str], ttl_s: float) -> int:
+        local = [lease_id for lease_id in lease_ids if self._in_fallback(pool, lease_id)]
+        remote = [lease_id for lease_id in lease_ids if not self._in_fallback(pool, lease_id)]
+        live = await self._fallback.renew(pool, local, ttl_s) if local else 0
+        if remote:
+            live += await self._call(
+                lambda: self._primary.renew(pool, remote, ttl_s),
+                lambda: self._fallback.renew(pool, remote, ttl_s),
+            )
+        return live
+
+    async def held(self, pool: str) -> int:
+        local = await self._fallback_held(pool)
+
+        async def shared() -> int:
+            return await self._primary.held(pool) + local
+
+        return await self._call(shared, lambda: self._fallback.held(pool))
+
+    def _in_fallback(self, pool: str, lease_id: str) -> bool:
+        return lease_id in self._fallback_leases.get(pool, ())
+
+    def _forget_fallback_lease(self, pool: str, lease_id: str) -> None:
+        ids = self._fallback_leases[pool]
+        ids.discard(lease_id)
+        if not ids:
+            del self._fallback_leases[pool]
+
+    async def _fallback_held(self, pool: str) -> int:
+        """Units of `pool` held by this instance's fallback leases (0 and forgotten once none)."""
+        if pool not in self._fallback_leases:
+            return 0
+        units = await self._fallback.held(pool)
+        if units == 0:
+            # All released or expired; forget them so the table does not grow.
+            del self._fallback_leases[pool]
+        return units
+
+    # --- token buckets and bindings -----------------------------------------------------------
+
+    async def take(
+        self, bucket: str, amount: int, limit: BucketLimit, *, force: bool = False
+    ) -> BucketState:
+        return await self._call(
+            lambda: self._primary.take(bucket, amount, limit, force=force),
+            lambda: self._fallback.take(bucket, amount, limit, force=force),
+        )
+
+    async def put_back(self, bucket: str, amount: int, limit: BucketLimit) -> BucketState:
+        return await self._call(
+            lambda: self._primary.put_back(bucket, amount, limit),
+            lambda: self._fallback.put_back(bucket, amount, limit),
+        )
+
+    async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
+        return await self._call(
+            lambda: self._primary.peek(bucket, limit),
+            lambda: self._fallback.peek(bucket, limit),
+        )
+
+    async def bind(self, key: str, value: str, ttl_s: float, *, replace: str | None = None) -> str:
+        return await self._call(
+            lambda: self._primary.bind(key, value, ttl_s, replace=replace),
+            lambda: self._fallback.bind(key, value, ttl_s, replace=replace),
+        )
+
+    async def lookup(self, key: str) -> str | None:
+        return await self._call(
+            lambda: self._primary.lookup(key), lambda: self._fallback.lookup(key)
+        )
+
+    async def unbind(self, key: str) -> None:
+        await self._call(lambda: self._primary.unbind(key), lambda: self._fallback.unbind(key))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def ping(self) -> float:
+        """The primary's round trip; raises StateStoreError while it is down (a real probe)."""
+        try:
+            rtt = await self._primary.ping()
+        except StateStoreError as exc:
+            self._went_down(exc)
+            raise
+        self.last_latency_s = rtt
+        self._came_back()
+        return rtt
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
+        await self._primary.close()
+        await self._fallback.close()
+
+    # --- the failure policy -------------------------------------------------------------------
+
+    async def _call(
+        self, primary: Callable[[], Awaitable[T]], fallback: Callable[[], Awaitable[T]]
+    ) -> T:
+        if self.up:
+            started = time.perf_counter()
+            try:
+                result = await primary()
+            except StateStoreError as exc:
+                self._went_down(exc)
+            else:
+                self.last_latency_s = time.perf_counter() - started
+                return result
+        if self.mode == "fail_closed":
+            raise StateStoreUnavailable("the state store is unreachable; try again shortly")
+        self.fallback_calls += 1
+        return await fallback()
+
+    def _went_down(self, exc: StateStoreError) -> None:
+        self.errors += 1
+        if not self.up:
+            return
+        self.up = False
+        self.outages += 1
+        self._down_since = self._clock()
+        self._fallback_calls_at_outage = self.fallback_calls
+        consequence = (
+            "serving from local in-memory limits (fail_open)"
+            if self.mode == "fail_open"
+            else "refusing requests with 503 (fail_closed)"
+        )
+        self._log.warning(
+            "state store (%s) is down: %s; %s until it answers again",
+            self.backend,
+            exc,
+            consequence,
+        )
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+
+    def _came_back(self) -> None:
+        if self.up:
+            return
+        duration = self._clock() - self._down_since
+        self._past_outages_s += duration
+        self.up = True
+        self._log.warning(
+            "state store (%s) is back after %.1f s down (%d calls served by the fallback)",
+            self.backend,
+            duration,
+            self.fallback_calls - self._fallback_calls_at_outage,
+        )
+
+    async def _probe_until_up(self) -> None:
+        while not self.up:
+            await asyncio.sleep(self._probe_interval_s)
+            if self.up:
+                return
+            try:
+                rtt = await self._primary.ping()
+            except StateStoreError:
+                self.errors += 1
+                continue
+            self.last_latency_s = rtt
+            self._came_back()

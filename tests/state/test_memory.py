@@ -1,0 +1,101 @@
+"""MemoryStore on an injected clock: exact expiry and refill arithmetic, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.state.base import BucketLimit
+from kvgate.state.memory import MemoryStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> MemoryStore:
+    return MemoryStore(clock=clock)
+
+
+async def test_a_lease_counts_until_the_instant_it_expires(
+    store: MemoryStore, clock: FakeClock
+) -> None:
+    await store.try_acquire("pool", "a", 5, limit=10, ttl_s=10)
+    clock.now += 9.999
+    assert await store.held("pool") == 5
+    clock.now += 0.001
+    assert await store.held("pool") == 0
+
+
+async def test_renew_pushes_the_expiry_from_now(store: MemoryStore, clock: FakeClock) -> None:
+    await store.try_acquire("pool", "a", 5, limit=10, ttl_s=10)
+    clock.now += 8
+    assert await store.renew("pool", ["a"], ttl_s=10) == 1
+    clock.now += 9
+    assert await store.held("pool") == 5
+    clock.now += 1
+    assert await store.renew("pool", ["a"], ttl_s=10) == 0
+
+
+async def test_refill_is_continuous_at_capacity_per_period(
+    store: MemoryStore, clock: FakeClock
+) -> None:
+    limit = BucketLimit(capacity=600, period_s=60)  # 10 units/s
+    await store.take("bucket", 600, limit)
+    clock.now += 2.5
+    state = await store.peek("bucket", limit)
+    assert state.remaining == 25
+    assert state.reset_s == pytest.approx(57.5)
+    refused = await store.take("bucket", 45, limit)
+    assert refused.retry_after_s == pytest.approx(2.0)
+    clock.now += 2.0
+    assert (await store.take("bucket", 45, limit)).remaining == 0
+
+
+async def test_debt_is_repaid_by_refill_before_anything_fits(
+    store: MemoryStore, clock: FakeClock
+) -> None:
+    limit = BucketLimit(capacity=100, period_s=10)  # 10 units/s
+    forced = await store.take("bucket", 150, limit, force=True)
+    assert forced.remaining == -50
+    assert forced.reset_s == pytest.approx(15.0)
+    clock.now += 5
+    assert not (await store.take("bucket", 1, limit)).allowed
+    clock.now += 0.1
+    assert (await store.take("bucket", 1, limit)).allowed
+
+
+async def test_refill_never_exceeds_the_capacity(store: MemoryStore, clock: FakeClock) -> None:
+    limit = BucketLimit(capacity=100, period_s=10)
+    await store.take("bucket", 10, limit)
+    clock.now += 3600
+    assert (await store.peek("bucket", limit)).remaining == 100
+
+
+async def test_a_binding_expires_at_its_ttl(store: MemoryStore, clock: FakeClock) -> None:
+    await store.bind("session", "replica-a", ttl_s=5)
+    clock.now += 4.9
+    assert await store.lookup("session") == "replica-a"
+    clock.now += 0.1
+    assert await store.lookup("session") is None
+
+
+async def test_expired_bindings_and_full_buckets_do_not_accumulate(
+    store: MemoryStore, clock: FakeClock
+) -> None:
+    limit = BucketLimit(capacity=10, period_s=1)
+    for i in range(5_000):
+        await store.bind(f"session-{i}", "replica-a", ttl_s=1)
+        await store.take(f"bucket-{i}", 1, limit)
+        clock.now += 0.01
+    assert len(store._bindings) < 2_100
+    assert len(store._buckets) < 2_100

@@ -1,0 +1,180 @@
+"""RedisStore beyond the contract: several instances, key layout, and Redis going away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio
+from redis.crc import key_slot
+
+from kvgate.state.base import BucketLimit, StateStoreError
+from kvgate.state.redis import RedisStore
+from tests.plugins.redis_server import PrivateRedis, free_port
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def second_store(redis_url: str, key_prefix: str) -> AsyncIterator[RedisStore]:
+    """Another kvgate instance on the same Redis: its own connection pool."""
+    store = RedisStore(redis_url, key_prefix=key_prefix)
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    connection = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+    yield connection
+    await connection.aclose()
+
+
+async def test_two_instances_racing_on_one_bucket_take_exactly_its_capacity(
+    redis_store: RedisStore, second_store: RedisStore
+) -> None:
+    limit = BucketLimit(capacity=150, period_s=1_000_000)
+    takes = [
+        store.take("tenant:tpm", 1, limit)
+        for _ in range(200)
+        for store in (redis_store, second_store)
+    ]
+    results = await asyncio.gather(*takes)
+    assert sum(state.allowed for state in results) == 150
+
+
+async def test_two_instances_racing_on_one_pool_hold_exactly_its_limit(
+    redis_store: RedisStore, second_store: RedisStore
+) -> None:
+    acquires = [
+        store.try_acquire("ledger:replica-a", f"{name}-{i}", 1, limit=37, ttl_s=30)
+        for i in range(150)
+        for name, store in (("one", redis_store), ("two", second_store))
+    ]
+    results = await asyncio.gather(*acquires)
+    assert sum(results) == 37
+    assert await redis_store.held("ledger:replica-a") == 37
+    assert await second_store.held("ledger:replica-a") == 37
+
+
+async def test_two_instances_binding_one_session_agree_on_the_winner(
+    redis_store: RedisStore, second_store: RedisStore
+) -> None:
+    binds = [
+        store.bind("session:42", f"replica-{name}-{i}", ttl_s=30)
+        for i in range(20)
+        for name, store in (("one", redis_store), ("two", second_store))
+    ]
+    winners = set(await asyncio.gather(*binds))
+    assert len(winners) == 1
+    assert await second_store.lookup("session:42") in winners
+
+
+async def test_two_instances_draining_a_bucket_never_exceed_its_rate(
+    redis_store: RedisStore, second_store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    """Over time, two instances together get one tenant's capacity plus the refill, no more."""
+    limit = BucketLimit(capacity=500, period_s=1.0)
+    started = await _server_time(client)
+
+    async def drain(store: RedisStore) -> int:
+        allowed = 0
+        deadline = time.monotonic() + 0.4
+        while time.monotonic() < deadline:
+            allowed += 10 * (await store.take("tenant:tpm", 10, limit)).allowed
+        return allowed
+
+    allowed = sum(await asyncio.gather(drain(redis_store), drain(second_store)))
+    elapsed = await _server_time(client) - started
+    ceiling = limit.capacity + limit.rate_per_s * elapsed
+    assert limit.capacity < allowed <= ceiling
+
+
+async def test_the_keys_of_one_script_share_a_cluster_slot(redis_store: RedisStore) -> None:
+    for pool in ("ledger:replica-a", "concurrency:tenant}x", "{odd}"):
+        slots = {key_slot(key.encode()) for key in redis_store.lease_keys(pool)}
+        assert len(slots) == 1
+    for key in (*redis_store.lease_keys("p"), redis_store.bucket_key("b")):
+        assert key.startswith(f"{{{redis_store.key_prefix}:")
+
+
+async def test_every_key_expires_by_itself(
+    redis_store: RedisStore, client: redis.asyncio.Redis, key_prefix: str
+) -> None:
+    """Nothing a crashed instance leaves behind lives forever."""
+    await redis_store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+    await redis_store.take("bucket", 5, BucketLimit(capacity=10))
+    await redis_store.bind("session", "replica-a", ttl_s=30)
+    keys = [key async for key in client.scan_iter(match=f"{{{key_prefix}:*")]
+    assert len(keys) == 5
+    for key in keys:
+        assert await client.pttl(key) > 0
+
+
+async def test_released_pools_and_full_buckets_leave_no_keys(
+    redis_store: RedisStore, client: redis.asyncio.Redis, key_prefix: str
+) -> None:
+    limit = BucketLimit(capacity=10)
+    await redis_store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+    await redis_store.release("pool", "a")
+    await redis_store.take("bucket", 5, limit)
+    await redis_store.put_back("bucket", 5, limit)
+    assert [key async for key in client.scan_iter(match=f"{{{key_prefix}:*")] == []
+
+
+async def test_scripts_are_loaded_again_after_a_script_flush(
+    redis_store: RedisStore, client: redis.asyncio.Redis
+) -> None:
+    assert await redis_store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+    await client.script_flush()
+    assert await redis_store.held("pool") == 1
+    assert (await redis_store.take("bucket", 1, BucketLimit(capacity=10))).allowed
+
+
+async def test_an_unreachable_redis_raises_instead_of_hanging() -> None:
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.1)
+    try:
+        with pytest.raises(StateStoreError):
+            await store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+        with pytest.raises(StateStoreError):
+            await store.take("bucket", 1, BucketLimit(capacity=10))
+        with pytest.raises(StateStoreError):
+            await store.lookup("session")
+        with pytest.raises(StateStoreError):
+            await store.ping()
+    finally:
+        await store.close()
+
+
+async def test_the_store_recovers_when_redis_comes_back(private_redis: PrivateRedis) -> None:
+    store = RedisStore(private_redis.url, key_prefix="kvgate-test")
+    try:
+        assert await store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+        await private_redis.stop()
+        with pytest.raises(StateStoreError):
+            await store.held("pool")
+        await private_redis.start()
+        # The restarted server lost everything (no persistence); the store works at once.
+        assert await store.held("pool") == 0
+        assert await store.try_acquire("pool", "b", 10, limit=10, ttl_s=30)
+    finally:
+        await store.close()
+
+
+async def test_a_restart_between_calls_costs_no_error(private_redis: PrivateRedis) -> None:
+    """Pooled connections left stale by a restart are replaced on the spot."""
+    store = RedisStore(private_redis.url, key_prefix="kvgate-test")
+    try:
+        await store.ping()
+        await private_redis.stop()
+        await private_redis.start()
+        assert await store.bind("session", "replica-a", ttl_s=30) == "replica-a"
+    finally:
+        await store.close()
+
+
+async def _server_time(client: redis.asyncio.Redis) -> float:
+    seconds, microseconds = await client.time()
+    return seconds + microseconds / 1_000_000

@@ -1,0 +1,164 @@
+"""ResilientStore across a real Redis stopping and coming back, in both failure modes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from kvgate.errors import StateStoreUnavailable
+from kvgate.state.base import BucketLimit, StateStoreError
+from kvgate.state.memory import MemoryStore
+from kvgate.state.redis import RedisStore
+from kvgate.state.resilient import FailureMode, ResilientStore
+from tests.plugins.redis_server import PrivateRedis
+
+pytestmark = pytest.mark.redis
+
+LIMIT = BucketLimit(capacity=100, period_s=100_000.0)
+LOGGER = "kvgate.test.state"
+
+StoreFactory = Callable[..., ResilientStore]
+
+
+@pytest.fixture
+async def make_store(private_redis: PrivateRedis) -> AsyncIterator[StoreFactory]:
+    stores: list[ResilientStore] = []
+
+    def make(mode: FailureMode, probe_interval_s: float = 0.05) -> ResilientStore:
+        primary = RedisStore(private_redis.url, key_prefix="kvgate-test", timeout_s=0.1)
+        store = ResilientStore(
+            primary,
+            MemoryStore(),
+            mode,
+            probe_interval_s=probe_interval_s,
+            logger=logging.getLogger(LOGGER),
+        )
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+async def wait_until_up(store: ResilientStore) -> None:
+    for _ in range(500):
+        if store.up:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the store did not notice that Redis came back")
+
+
+async def test_fail_closed_refuses_while_redis_is_down_and_recovers(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_closed")
+    assert (await store.take("tenant", 10, LIMIT)).remaining == 90
+    await private_redis.stop()
+    with pytest.raises(StateStoreUnavailable):
+        await store.take("tenant", 10, LIMIT)
+    with pytest.raises(StateStoreUnavailable):
+        await store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
+    assert not store.up
+    assert store.fallback_calls == 0
+    await private_redis.start()
+    await wait_until_up(store)
+    assert (await store.take("tenant", 10, LIMIT)).allowed
+    assert store.outages == 1
+    assert store.outage_seconds > 0
+
+
+async def test_fail_open_serves_local_limits_while_redis_is_down(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert (await store.take("tenant", 60, LIMIT)).allowed
+    assert not (await store.take("tenant", 60, LIMIT)).allowed
+    assert await store.bind("session", "replica-a", ttl_s=30) == "replica-a"
+    assert await store.lookup("session") == "replica-a"
+    assert store.fallback_calls == 4
+    assert not store.up
+
+
+async def test_while_down_requests_do_not_wait_on_redis(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    """After the first failure, calls short-circuit until a probe succeeds."""
+    store = make_store("fail_open", probe_interval_s=3600)  # no probe during this test
+    await private_redis.stop()
+    for _ in range(50):
+        await store.take("tenant", 1, LIMIT)
+    assert store.errors == 1
+    assert store.fallback_calls == 50
+
+
+async def test_an_outage_is_logged_once_at_its_start_and_once_at_its_end(
+    make_store: StoreFactory, private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    store = make_store("fail_open")
+    await private_redis.stop()
+    for _ in range(20):
+        await store.take("tenant", 1, LIMIT)
+    await asyncio.sleep(0.2)  # several failed probes
+    await private_redis.start()
+    await wait_until_up(store)
+    for _ in range(5):
+        await store.take("tenant", 1, LIMIT)
+    messages = [record.getMessage() for record in caplog.records if record.name == LOGGER]
+    assert len(messages) == 2
+    assert "down" in messages[0]
+    assert "fail_open" in messages[0]
+    assert "back after" in messages[1]
+    assert "20 calls served by the fallback" in messages[1]
+
+
+async def test_a_lease_taken_during_an_outage_is_released_after_recovery(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert await store.try_acquire("ledger", "during-outage", 6, limit=10, ttl_s=30)
+    await private_redis.start()
+    await wait_until_up(store)
+    # Still held locally, so it counts against the shared limit on this instance.
+    assert await store.held("ledger") == 6
+    assert not await store.try_acquire("ledger", "after", 5, limit=10, ttl_s=30)
+    assert await store.renew("ledger", ["during-outage"], ttl_s=30) == 1
+    assert await store.release("ledger", "during-outage") == 6
+    assert await store.release("ledger", "during-outage") == 0
+    assert await store.held("ledger") == 0
+    assert await store.try_acquire("ledger", "after", 10, limit=10, ttl_s=30)
+
+
+async def test_a_lease_taken_before_an_outage_is_released_in_redis(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_open")
+    assert await store.try_acquire("ledger", "before", 4, limit=10, ttl_s=30)
+    assert await store.release("ledger", "before") == 4
+    assert await store.held("ledger") == 0
+
+
+async def test_ping_probes_the_primary_even_while_down(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_open")
+    assert await store.ping() >= 0
+    await private_redis.stop()
+    with pytest.raises(StateStoreError):
+        await store.ping()
+    assert not store.up
+    await private_redis.start()
+    assert await store.ping() >= 0
+    assert store.up
+    assert store.outages == 1
+
+
+async def test_an_unknown_failure_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="failure mode"):
+        ResilientStore(MemoryStore(), MemoryStore(), "fail_sideways")  # type: ignore[arg-type]
