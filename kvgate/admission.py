@@ -50,12 +50,17 @@ class Demand:
     """What one request needs: its worst case in tokens, and who asks."""
 
     pool: str
+    model: str
     worst_tokens: int
     tenant: str
     priority: str
 
     def blocks_on(self, replica: Replica) -> int:
         return math.ceil(self.worst_tokens / (replica.block_size or 16))
+
+    def too_long_for(self, replica: Replica) -> bool:
+        limit = replica.max_model_len(self.model)
+        return limit is not None and self.worst_tokens > limit
 
 
 @dataclass(slots=True)
@@ -191,6 +196,8 @@ class Admission:
             blocks = demand.blocks_on(replica)
             if limit is None or blocks > limit or not replica.healthy:
                 continue
+            if demand.too_long_for(replica):
+                continue
             scrape = replica.fresh_scrape(stale)
             if scrape is not None and (scrape.waiting or 0) > config.max_replica_waiting:
                 continue
@@ -242,24 +249,26 @@ class Admission:
         try:
             async with asyncio.timeout(config.queue.max_wait_s):
                 return await asyncio.shield(future)
-        except TimeoutError:
-            raise RateLimited(
-                f"no KV capacity in pool {demand.pool!r} within {config.queue.max_wait_s:g}s",
-                code="queue_timeout",
-                retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
-            ) from None
+        except BaseException as exc:
+            # Leaving without the slot (timeout, disconnect, shed): if the dispatcher placed
+            # us meanwhile, give the blocks back; otherwise make sure it never will.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                await self._release(pool, future.result())
+            else:
+                future.cancel()
+            if isinstance(exc, TimeoutError):
+                raise RateLimited(
+                    f"no KV capacity in pool {demand.pool!r} within {config.queue.max_wait_s:g}s",
+                    code="queue_timeout",
+                    retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
+                ) from None
+            raise
         finally:
             pool.queue.remove(ticket)
             self._observe_depth(demand.pool, pool)
             self.metrics.queue_wait.labels(demand.pool, demand.priority).observe(
                 time.monotonic() - started
             )
-            # Placed while we were being cancelled or timing out: give it back.
-            if future.done() and not future.cancelled() and future.exception() is None:
-                slot = future.result()
-                await self._release(pool, slot)
-            elif not future.done():
-                future.cancel()
 
     async def dispatch(self, pool_name: str) -> None:
         """Serve one pool's queue head-first until cancelled (one task per pool)."""

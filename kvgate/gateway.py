@@ -83,14 +83,16 @@ class Gateway:
         self.require_model(parsed.model)
         estimate = await self.catalog.count(parsed)
         prompt_tokens = self.calibration.apply(parsed.model, estimate)
-        bound = bound_worst_case(
-            parsed, prompt_tokens, rt.config.model(parsed.model), tenant,
-            self.max_model_len(parsed.model),
-        )
-        first_pool = choose_pool(rt.config.pools, bound.worst_tokens, tenant.pools)
+        model = rt.config.model(parsed.model)
+        sized = bound_worst_case(parsed, prompt_tokens, model, tenant, model.max_model_len)
+        first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
         pool, candidates = self.candidates(first_pool, parsed.model)
         info.pool = pool
-        demand = Demand(pool, bound.worst_tokens, tenant.name, tenant.priority)
+        bound = bound_worst_case(
+            parsed, prompt_tokens, model, tenant,
+            model.max_model_len or max_model_len(parsed.model, candidates),
+        )
+        demand = Demand(pool, parsed.model, bound.worst_tokens, tenant.name, tenant.priority)
         outcome = Outcome()
         async with self.budgets.charge(tenant, bound.worst_tokens) as charge:
             try:
@@ -175,16 +177,6 @@ class Gateway:
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
                            param="model")
 
-    def max_model_len(self, model: str) -> int | None:
-        configured = self.runtime.config.model(model).max_model_len
-        if configured is not None:
-            return configured
-        lengths = [
-            n for r in self.registry
-            if r.healthy and (n := r.max_model_len(model)) is not None
-        ]
-        return min(lengths) if lengths else None
-
     def candidates(self, first_pool: str, model: str) -> tuple[str, list[Replica]]:
         """The first pool along the overflow chain with a healthy replica serving `model`,
         and those replicas in the routing policy's order."""
@@ -193,6 +185,13 @@ class Gateway:
             if ready:
                 return pool, self.policy.order(ready, self.admission.reserved)
         raise NoReplica(f"no healthy replica in pool {first_pool!r} serves model {model!r}")
+
+
+def max_model_len(model: str, candidates: list[Replica]) -> int | None:
+    """The largest context any candidate reports for `model` (admission then skips replicas
+    whose own limit is smaller)."""
+    lengths = [n for r in candidates if (n := r.max_model_len(model)) is not None]
+    return max(lengths) if lengths else None
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.admission import Admission, Demand, LeaseKeeper, ledger_key
+from kvgate.admission import Admission, Demand, LeaseKeeper, Slot, ledger_key
 from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.metrics import Metrics
@@ -23,7 +23,7 @@ def replica(name: str, blocks: int | None = 100, block_size: int = 16) -> Replic
 
 
 def demand(tokens: int, tenant: str = "t", priority: str = "standard") -> Demand:
-    return Demand("p", tokens, tenant, priority)
+    return Demand("p", "m", tokens, tenant, priority)
 
 
 class Harness:
@@ -172,11 +172,19 @@ async def test_queued_request_is_admitted_when_capacity_frees(harness):
 
     holder = asyncio.create_task(first())
     await _until(lambda: harness.admission.reserved.get("a") == 10)
-    waiter = asyncio.create_task(_admit_and_hold(harness, r, 16 * 6, hold_s=0))
+    held_while_running: list[int] = []
+
+    async def queued() -> Slot:
+        async with harness.admission.admit(demand(16 * 6), [r]) as slot:
+            held_while_running.append(await harness.held(r))
+            return slot
+
+    waiter = asyncio.create_task(queued())
     await _until(lambda: len(harness.admission._pool("p").queue) == 1)
     release.set()
     slot = await asyncio.wait_for(waiter, 5)
     assert slot.queued_s > 0 and slot.blocks == 6
+    assert held_while_running == [6]  # a request admitted from the queue holds its blocks
     await holder
     assert await harness.held(r) == 0
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, ServerError
 from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
@@ -121,8 +122,7 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     return web.Response(
-        body=gateway.metrics.render(), content_type="text/plain", charset="utf-8",
-        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        body=gateway.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
 
 
