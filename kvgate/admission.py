@@ -32,6 +32,7 @@ from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.metrics import Metrics
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
+from kvgate.shared_prefix import SharedPrefix, SharedPrefixes, credit_blocks
 from kvgate.state.base import StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,16 @@ class Demand:
     worst_tokens: int
     tenant: str
     priority: str
+    prefix_key: str | None = None  # identifies the prompt's shareable prefix
+    prefix_tokens: int = 0
 
     def blocks_on(self, replica: Replica) -> int:
         return math.ceil(self.worst_tokens / (replica.block_size or 16))
+
+    def prefix_blocks_on(self, replica: Replica) -> int:
+        if self.prefix_key is None:
+            return 0
+        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.block_size or 16))
 
     def too_long_for(self, replica: Replica) -> bool:
         limit = replica.max_model_len(self.model)
@@ -69,9 +77,14 @@ class Slot:
 
     replica: Replica
     lease_id: str
-    blocks: int
+    blocks: int  # reserved for this request alone
     queued_s: float
+    shared: SharedPrefix | None = None  # the prefix blocks it shares with others
     released: bool = False
+
+    @property
+    def worst_case_blocks(self) -> int:
+        return self.blocks + (self.shared.blocks if self.shared else 0)
 
 
 def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
@@ -129,6 +142,7 @@ class Admission:
         self.stale_after_s = stale_after_s
         self._pools: dict[str, _PoolQueue] = {}
         self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
+        self.prefixes = SharedPrefixes()
         self._background: set[asyncio.Future[int]] = set()
 
     def _pool(self, name: str) -> _PoolQueue:
@@ -155,7 +169,7 @@ class Admission:
         self.metrics.admissions.labels(
             demand.pool, slot.replica.id, "yes" if slot.queued_s > 0 else "no"
         ).inc()
-        self.metrics.worst_case_blocks.labels(demand.pool).observe(slot.blocks)
+        self.metrics.worst_case_blocks.labels(demand.pool).observe(slot.worst_case_blocks)
         try:
             yield slot
         finally:
@@ -193,21 +207,64 @@ class Admission:
         stale = self.stale_after_s()
         for replica in candidates:
             limit = admissible_blocks(replica, config)
-            blocks = demand.blocks_on(replica)
-            if limit is None or blocks > limit or not replica.healthy:
+            if limit is None or demand.blocks_on(replica) > limit or not replica.healthy:
                 continue
             if demand.too_long_for(replica):
                 continue
             scrape = replica.fresh_scrape(stale)
             if scrape is not None and (scrape.waiting or 0) > config.max_replica_waiting:
                 continue
-            lease_id = uuid.uuid4().hex
-            key = ledger_key(replica)
-            if await self._acquire(key, lease_id, blocks, limit, config.lease_ttl_s):
-                self.keeper.add(key, lease_id)
-                self.reserved[replica.id] = self.reserved.get(replica.id, 0) + blocks
-                return Slot(replica, lease_id, blocks, time.monotonic() - started)
+            slot = await self._place_on(replica, demand, limit, config.lease_ttl_s)
+            if slot is not None:
+                slot.queued_s = time.monotonic() - started
+                return slot
         return None
+
+    async def _place_on(
+        self, replica: Replica, demand: Demand, limit: int, ttl: float
+    ) -> Slot | None:
+        """Reserve on one replica: the request's own blocks, plus (first of its prefix here)
+        the shared prefix's blocks as a lease of their own."""
+        key, lease_id = ledger_key(replica), uuid.uuid4().hex
+        blocks = demand.blocks_on(replica)
+        prefix_blocks = demand.prefix_blocks_on(replica)
+        shared = None
+        if prefix_blocks and demand.prefix_key is not None:
+            shared = self.prefixes.get(replica.id, demand.prefix_key)
+            if shared is None:
+                shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
+                own_later = blocks - prefix_blocks
+                if not await self._acquire(key, shared.lease_id, prefix_blocks, limit - own_later, ttl):
+                    self.prefixes.drop(shared)
+                    return None
+                shared.live = True
+                self.keeper.add(key, shared.lease_id)
+                self._count(replica.id, prefix_blocks)
+            elif shared.live:
+                shared.refs += 1
+            else:
+                shared = None  # being acquired by another request: no credit yet
+        own = blocks - (shared.blocks if shared else 0)
+        if not await self._acquire(key, lease_id, own, limit, ttl):
+            if shared is not None:
+                await self._unshare(shared)
+            return None
+        self.keeper.add(key, lease_id)
+        self._count(replica.id, own)
+        return Slot(replica, lease_id, own, 0.0, shared)
+
+    async def _unshare(self, shared: SharedPrefix) -> None:
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        self.prefixes.drop(shared)
+        key = f"ledger:{shared.replica_id}"
+        self.keeper.discard(key, shared.lease_id)
+        self._count(shared.replica_id, -shared.blocks)
+        await self._release_lease(key, shared.lease_id)
+
+    def _count(self, replica_id: str, blocks: int) -> None:
+        self.reserved[replica_id] = max(0, self.reserved.get(replica_id, 0) + blocks)
 
     async def _acquire(self, key: str, lease_id: str, blocks: int, limit: int, ttl: float) -> bool:
         """try_acquire that cannot leak: if we are cancelled while the store works, a lease it
@@ -310,18 +367,24 @@ class Admission:
     async def _release(self, pool: _PoolQueue, slot: Slot) -> None:
         if slot.released:
             return
-        slot.released, blocks = True, slot.blocks  # mark first: release exactly once
+        slot.released = True  # mark first: release exactly once
         key = ledger_key(slot.replica)
         self.keeper.discard(key, slot.lease_id)
-        self.reserved[slot.replica.id] = max(0, self.reserved.get(slot.replica.id, 0) - blocks)
+        self._count(slot.replica.id, -slot.blocks)
         pool.releases.append(time.monotonic())
         try:
-            await asyncio.shield(self.store.release(key, slot.lease_id))
+            await self._release_lease(key, slot.lease_id)
+            if slot.shared is not None:
+                await self._unshare(slot.shared)
+        finally:
+            pool.wake.set()
+
+    async def _release_lease(self, key: str, lease_id: str) -> None:
+        try:
+            await asyncio.shield(self.store.release(key, lease_id))
         except (StateStoreError, KvgateError) as exc:
             # The lease stops being renewed and expires within its TTL: capacity comes back.
             log.warning("could not release lease on %s (expires by TTL): %s", key, exc)
-        finally:
-            pool.wake.set()
 
     def retry_after(self, pool_name: str, ahead: int) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""

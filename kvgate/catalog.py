@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvgate.config import Config, ModelConfig, TenantConfig, TokenizerConfig
 from kvgate.errors import BadRequest, ContextLengthExceeded
 from kvgate.requests import Endpoint, ParsedRequest
-from kvgate.tokens import ChatOverhead, PromptCounter, Tokenizer, load_tokenizer
+from kvgate.tokens import ChatOverhead, PromptCount, PromptCounter, Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +51,14 @@ def bound_worst_case(
                 f"prompt alone is about {prompt_tokens} tokens",
                 param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
             )
-    worst = prompt_tokens + max_tokens
-    if max_model_len is not None and worst > max_model_len:
+    sequence = prompt_tokens + max_tokens
+    # n > 1: every sequence may grow to max_tokens (and, without prefix caching, holds its
+    # own copy of the prompt): reserve for all of them.
+    worst = sequence * parsed.sequences
+    if max_model_len is not None and sequence > max_model_len:
         raise ContextLengthExceeded(
             f"this model's maximum context length is {max_model_len} tokens; this request "
-            f"may use {worst} ({prompt_tokens} in the prompt, {max_tokens} in the completion); "
+            f"may use {sequence} ({prompt_tokens} in the prompt, {max_tokens} in the completion); "
             "reduce the prompt or max_tokens",
             param="max_tokens",
         )
@@ -117,8 +120,8 @@ class Catalog:
             self._counters[model] = counter
         return counter
 
-    async def count(self, parsed: ParsedRequest) -> int:
+    async def count(self, parsed: ParsedRequest) -> PromptCount:
         counter = self.counter(parsed.model)
         if parsed.endpoint is Endpoint.CHAT:
             return await counter.count_chat(parsed.messages, parsed.body.get("tools"))
-        return await counter.count_prompt(parsed.body["prompt"])
+        return PromptCount(await counter.count_prompt(parsed.body["prompt"]))

@@ -214,27 +214,31 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
+        """Every broken reference at once, one `path: problem` line each."""
+        problems = []
         for name, pool in self.pools.items():
             if pool.overflow_to is not None and pool.overflow_to not in self.pools:
-                raise ValueError(f"pools.{name}.overflow_to: no pool named {pool.overflow_to!r}")
+                problems.append(f"pools.{name}.overflow_to: no pool named {pool.overflow_to!r}")
         seen: dict[str, str] = {}
         for name, pool in self.pools.items():
             for replica in pool.replicas:
                 if replica.id in seen:
-                    raise ValueError(
+                    problems.append(
                         f"pools.{name}: replica {replica.id!r} is also in pool {seen[replica.id]!r}"
                     )
                 seen[replica.id] = name
         tenants = {t.name for t in self.tenants}
         if len(tenants) != len(self.tenants):
-            raise ValueError("tenants: names must be unique")
+            problems.append("tenants: names must be unique")
         anonymous = self.auth.anonymous_tenant
         if anonymous is not None and anonymous not in tenants:
-            raise ValueError(f"auth.anonymous_tenant: no tenant named {anonymous!r}")
+            problems.append(f"auth.anonymous_tenant: no tenant named {anonymous!r}")
         for tenant in self.tenants:
             for pool_name in tenant.pools or ():
                 if pool_name not in self.pools:
-                    raise ValueError(f"tenants.{tenant.name}.pools: no pool named {pool_name!r}")
+                    problems.append(f"tenants.{tenant.name}.pools: no pool named {pool_name!r}")
+        if problems:
+            raise ValueError(_CROSS_REFERENCES + "\n".join(problems))
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -253,12 +257,21 @@ class Config(_Model):
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def interpolate(tree: Any, env: Mapping[str, str], path: str = "") -> Any:
-    """Replace `${VAR}` / `${VAR:-default}` in every string of a parsed YAML tree."""
+def interpolate(tree: Any, env: Mapping[str, str]) -> Any:
+    """Replace `${VAR}` / `${VAR:-default}` in every string of a parsed YAML tree; every
+    variable that is unset and has no default is reported, each with its key path."""
+    problems: list[str] = []
+    out = _interpolate(tree, env, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def _interpolate(tree: Any, env: Mapping[str, str], path: str, problems: list[str]) -> Any:
     if isinstance(tree, dict):
-        return {k: interpolate(v, env, _join(path, k)) for k, v in tree.items()}
+        return {k: _interpolate(v, env, _join(path, k), problems) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [interpolate(v, env, f"{path}[{i}]") for i, v in enumerate(tree)]
+        return [_interpolate(v, env, f"{path}[{i}]", problems) for i, v in enumerate(tree)]
     if not isinstance(tree, str):
         return tree
 
@@ -268,7 +281,8 @@ def interpolate(tree: Any, env: Mapping[str, str], path: str = "") -> Any:
             return env[name]
         if default is not None:
             return default
-        raise ConfigError([f"{path or '<root>'}: environment variable {name} is not set"])
+        problems.append(f"{path or '<root>'}: environment variable {name} is not set")
+        return match.group(0)
 
     return _ENV.sub(substitute, tree)
 
@@ -285,6 +299,17 @@ def _location(loc: tuple[Any, ...]) -> str:
         elif not str(part).startswith(("function-", "function_", "model-")):
             out = _join(out, part)
     return out or "<root>"
+
+
+# Marks a model-level error whose lines already name their key paths.
+_CROSS_REFERENCES = "cross-references:\n"
+
+
+def _problems(error: Mapping[str, Any]) -> list[str]:
+    message = _message(error)
+    if message.startswith(_CROSS_REFERENCES):
+        return message.removeprefix(_CROSS_REFERENCES).split("\n")
+    return [f"{_location(tuple(error['loc']))}: {message}"]
 
 
 def _message(error: Mapping[str, Any]) -> str:
@@ -305,9 +330,7 @@ def parse_config(tree: Any, env: Mapping[str, str] | None = None) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(
-            [f"{_location(tuple(e['loc']))}: {_message(e)}" for e in exc.errors()]
-        ) from None
+        raise ConfigError([p for e in exc.errors() for p in _problems(e)]) from None
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
@@ -387,6 +410,8 @@ def read_tree(path: str | Path) -> dict[str, Any]:
 def masked(config: Config) -> dict[str, Any]:
     """The resolved config as plain data, with every secret replaced by '***'."""
     data = config.model_dump(mode="json")
+    if config.state.redis_url is not None:  # the URL shows, its password does not
+        data["state"]["redis_url"] = secret(config.state.redis_url)
 
     def mask(node: Any, key: str = "") -> Any:
         if isinstance(node, dict):
@@ -401,7 +426,14 @@ def masked(config: Config) -> dict[str, Any]:
 
 
 def _mask_url(url: str) -> str:
-    return re.sub(r"//([^@/]*)@", "//***@", url)
+    """`redis://user:pw@host/0` -> `redis://user:***@host/0`; a `password=` query too. All
+    before the last '@' counts as userinfo, so a password with a raw '/' or '@' is hidden too."""
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.\-]*://)(.*)@", url)
+    if match:
+        user, colon, _ = match.group(2).partition(":")
+        userinfo = f"{user}:***" if colon else "***"
+        url = f"{match.group(1)}{userinfo}@{url[match.end():]}"
+    return re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
 
 
 def secret(value: SecretStr | None) -> str | None:

@@ -80,30 +80,37 @@ class Gateway:
         tenant = rt.directory.identify(request.headers, request.remote)
         info.tenant = tenant.name
         check_access(tenant, parsed.model)
-        self.require_model(parsed.model)
-        estimate = await self.catalog.count(parsed)
+        self.require_model(rt, parsed.model)
+        count = await self.catalog.count(parsed)
+        estimate = count.tokens
         prompt_tokens = self.calibration.apply(parsed.model, estimate)
         model = rt.config.model(parsed.model)
         sized = bound_worst_case(parsed, prompt_tokens, model, tenant, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
-        pool, candidates = self.candidates(first_pool, parsed.model)
+        pool, candidates = self.candidates(rt, first_pool, parsed.model)
         info.pool = pool
         bound = bound_worst_case(
             parsed, prompt_tokens, model, tenant,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
-        demand = Demand(pool, parsed.model, bound.worst_tokens, tenant.name, tenant.priority)
+        demand = Demand(
+            pool, parsed.model, bound.worst_tokens, tenant.name, tenant.priority,
+            prefix_key=f"{parsed.model}:{count.prefix_key.hex()}" if count.prefix_key else None,
+            # never credit more than kvgate may have over-estimated
+            prefix_tokens=int(count.prefix_tokens * min(1.0, self.calibration.ratio(parsed.model))),
+        )
         outcome = Outcome()
         async with self.budgets.charge(tenant, bound.worst_tokens) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
-                    return await self.forward(request, parsed, bound, slot, charge, outcome)
+                    return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
                 await self.settle(charge, parsed, estimate, bound, outcome)
 
     async def forward(
         self,
         request: web.Request,
+        rt: Runtime,
         parsed: ParsedRequest,
         bound: Bound,
         slot: Slot,
@@ -126,7 +133,7 @@ class Gateway:
                 upstream_body(parsed, bound),
                 upstream_headers(
                     request.headers, info.request_id, replica,
-                    drop_authorization=self.runtime.config.auth.mode != "none",
+                    drop_authorization=rt.config.auth.mode != "none",
                 ),
                 replica,
                 headers,
@@ -165,22 +172,22 @@ class Gateway:
         if outcome.usage is not None:
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
         block_size = slot.replica.block_size or 16
-        if slot.blocks > 0:
+        if slot.worst_case_blocks > 0:
             self.metrics.efficiency.labels(info.pool).observe(
-                min(1.0, math.ceil(used / block_size) / slot.blocks)
+                min(1.0, math.ceil(used / block_size) / slot.worst_case_blocks)
             )
 
-    def require_model(self, model: str) -> None:
-        known = {m.name for m in self.runtime.config.models}
+    def require_model(self, rt: Runtime, model: str) -> None:
+        known = {m.name for m in rt.config.models}
         served = any(model in r.models for r in self.registry)
         if model not in known and not served:
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
                            param="model")
 
-    def candidates(self, first_pool: str, model: str) -> tuple[str, list[Replica]]:
+    def candidates(self, rt: Runtime, first_pool: str, model: str) -> tuple[str, list[Replica]]:
         """The first pool along the overflow chain with a healthy replica serving `model`,
         and those replicas in the routing policy's order."""
-        for pool in overflow_chain(self.runtime.config.pools, first_pool):
+        for pool in overflow_chain(rt.config.pools, first_pool):
             ready = [r for r in self.registry.in_pool(pool) if r.healthy and r.serves(model)]
             if ready:
                 return pool, self.policy.order(ready, self.admission.reserved)

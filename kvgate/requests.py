@@ -32,6 +32,7 @@ class ParsedRequest:
     stream: bool
     client_wants_usage: bool  # stream_options.include_usage as the client sent it
     max_tokens: int | None  # as the client sent it (max_completion_tokens counts too)
+    sequences: int  # n (or best_of): sequences generated in parallel, each up to max_tokens
     user: str | None
     session_key: str | None
 
@@ -77,12 +78,30 @@ def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None
         stream=stream,
         client_wants_usage=wants_usage,
         max_tokens=max_tokens,
+        sequences=_sequences(body),
         user=user,
         session_key=session or None,
     )
 
 
+MAX_SEQUENCES = 128
+
+
+def _sequences(body: dict[str, Any]) -> int:
+    count = 1
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEQUENCES:
+            raise BadRequest(f"'{field}' must be an integer from 1 to {MAX_SEQUENCES}", param=field)
+        count = max(count, value)
+    return count
+
+
 def _max_tokens(body: dict[str, Any]) -> int | None:
+    """The completion limit vLLM will apply: `max_completion_tokens` when given, else
+    `max_tokens` (vLLM reads `max_completion_tokens or max_tokens`)."""
     found = None
     for field in ("max_completion_tokens", "max_tokens"):
         value = body.get(field)
@@ -94,7 +113,8 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
             raise BadRequest(f"'{field}' must be at least 1, got {value}", param=field)
         if value > ABSURD_MAX_TOKENS:
             raise BadRequest(f"'{field}' of {value} is beyond any model's context", param=field)
-        found = value if found is None else min(found, value)
+        if found is None:
+            found = value
     return found
 
 
@@ -121,6 +141,16 @@ def _check_messages(messages: Any) -> None:
                         f"'{where}.content[{j}]' must be an object with a 'type'",
                         param=f"{where}.content",
                     )
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"'{where}.name' must be a string", param=f"{where}.name")
+        calls = message.get("tool_calls")
+        if calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+        ):
+            raise BadRequest(
+                f"'{where}.tool_calls' must be an array of objects", param=f"{where}.tool_calls"
+            )
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -131,10 +161,14 @@ def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return
-        if all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
+        if all(_token_id(p) for p in prompt):
             return
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(_token_id(t) for t in p) for p in prompt):
             return
     raise BadRequest(
         "'prompt' must be a string, an array of strings, or an array of token ids", param="prompt"
     )
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -10,6 +10,7 @@ crashed instance's count comes back by itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -17,15 +18,19 @@ import ipaddress
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from kvgate.admission import LeaseKeeper
 from kvgate.config import AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, RateLimited, Unauthorized
 from kvgate.metrics import Metrics
 from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ANONYMOUS = TenantConfig(name="anonymous")
 CONCURRENCY_TTL_S = 30.0
@@ -106,9 +111,21 @@ class Charge:
 
 
 class Budgets:
-    def __init__(self, store: StateStore, metrics: Metrics) -> None:
+    """Charges and settles tenants' budgets in `store`.
+
+    A tenant's concurrent requests are leases in `concurrency:<tenant>`. With a `keeper` (the
+    one that renews the ledger's leases) they last `keeper.ttl_s` and are renewed while the
+    request runs, so a killed instance's count comes back within that TTL; without one they
+    last CONCURRENCY_TTL_S unrenewed (a request running longer than that stops counting).
+    """
+
+    def __init__(
+        self, store: StateStore, metrics: Metrics, keeper: LeaseKeeper | None = None
+    ) -> None:
         self.store = store
         self.metrics = metrics
+        self.keeper = keeper
+        self._background: set[asyncio.Future[object]] = set()
 
     @contextlib.asynccontextmanager
     async def charge(self, tenant: TenantConfig, worst_tokens: int) -> AsyncIterator[Charge]:
@@ -122,8 +139,13 @@ class Budgets:
                 code="exceeds_token_budget", param="max_tokens",
             )
         charge = Charge(tenant, worst_tokens)
+
+        async def give_back(_: None) -> None:
+            async with _settling(charge):
+                await self._refund(charge, worst_tokens, tpm)
+
         async with self._concurrency(tenant):
-            await self._take(charge, rpm, tpm)
+            await self._undone_if_cancelled(self._take(charge, rpm, tpm), give_back)
             try:
                 yield charge
             finally:
@@ -161,7 +183,11 @@ class Budgets:
         if rpm is not None:
             requests = await self.store.take(_bucket(name, "requests"), 1, rpm)
             if not requests.allowed:
-                headers = rate_limit_headers(rpm, requests, tpm, None)
+                # All six x-ratelimit-* headers on every 429: peek at the tokens not taken.
+                tokens = None if tpm is None else await self.store.peek(
+                    _bucket(name, "tokens"), tpm
+                )
+                headers = rate_limit_headers(rpm, requests, tpm, tokens)
                 raise RateLimited(
                     f"tenant {name!r} is over its {rpm.capacity} requests per minute",
                     retry_after_s=requests.retry_after_s, headers=headers,
@@ -194,21 +220,57 @@ class Budgets:
                 gauge.dec()
             return
         pool, lease = f"concurrency:{tenant.name}", uuid.uuid4().hex
-        if not await self.store.try_acquire(pool, lease, 1, limit, CONCURRENCY_TTL_S):
+        keeper = self.keeper
+        ttl_s = keeper.ttl_s if keeper is not None else CONCURRENCY_TTL_S
+
+        async def release(acquired: bool) -> None:
+            if acquired:
+                await self._release_lease(tenant, pool, lease)
+
+        acquire = self.store.try_acquire(pool, lease, 1, limit, ttl_s)
+        if not await self._undone_if_cancelled(acquire, release):
             raise RateLimited(
                 f"tenant {tenant.name!r} already has {limit} requests in flight",
                 code="concurrency_limit", retry_after_s=1.0,
             )
+        if keeper is not None:
+            keeper.add(pool, lease)
         gauge.inc()
         try:
             yield
         finally:
             gauge.dec()
-            try:
-                await self.store.release(pool, lease)
-            except (StateStoreError, KvgateError) as exc:
-                log.warning("could not release %s's concurrency lease (expires by TTL): %s",
-                            tenant.name, exc)
+            if keeper is not None:
+                keeper.discard(pool, lease)
+            await self._release_lease(tenant, pool, lease)
+
+    async def _release_lease(self, tenant: TenantConfig, pool: str, lease: str) -> None:
+        try:
+            await self.store.release(pool, lease)
+        except (StateStoreError, KvgateError) as exc:
+            log.warning("could not release %s's concurrency lease (expires by TTL): %s",
+                        tenant.name, exc)
+
+    async def _undone_if_cancelled(
+        self, step: Coroutine[Any, Any, T], undo: Callable[[T], Coroutine[Any, Any, None]]
+    ) -> T:
+        """Run a charging step to its end even if the request is cancelled meanwhile (a client
+        that leaves), and then `undo` it: what the store did after the cancel is given back."""
+        task = asyncio.ensure_future(step)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda done: self._undo(done, undo))
+            raise
+
+    def _undo(
+        self, done: asyncio.Future[T], undo: Callable[[T], Coroutine[Any, Any, None]]
+    ) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # refused or failed: nothing was taken
+        task: asyncio.Future[object] = asyncio.ensure_future(undo(done.result()))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 @contextlib.asynccontextmanager

@@ -151,6 +151,15 @@ def message_text(content: Any) -> str:
     return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
 
 
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """A prompt's estimated tokens, and its leading shared part (the first message)."""
+
+    tokens: int
+    prefix_tokens: int = 0
+    prefix_key: bytes | None = None
+
+
 class PromptCounter:
     """Counts a request's prompt tokens with one tokenizer, caching per message.
 
@@ -171,9 +180,11 @@ class PromptCounter:
 
     async def count_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None
-    ) -> int:
+    ) -> PromptCount:
         total = self.overhead.reply_primer
         pending: list[tuple[bytes, str]] = []
+        keys: list[bytes] = []
+        counts: list[int] = []
         for message in messages:
             text = message_text(message.get("content"))
             for call in message.get("tool_calls") or ():
@@ -181,25 +192,32 @@ class PromptCounter:
             key = hashlib.blake2b(
                 f"{message.get('role')}\x00".encode() + text.encode(), digest_size=16
             ).digest()
-            total += self.overhead.per_message
+            keys.append(key)
+            overhead = self.overhead.per_message
             if message.get("name"):
-                total += self.overhead.per_name + self._count_now(str(message["name"]))
+                overhead += self.overhead.per_name + self._count_now(str(message["name"]))
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                total += cached
+                counts.append(overhead + cached)
             else:
                 self.cache_misses += 1
                 pending.append((key, text))
-        if tools:
-            pending.append((b"", orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode()))
-        counts = await self._count_many([text for _, text in pending])
-        for (key, _), n in zip(pending, counts, strict=True):
-            total += n
-            if key:
-                self._remember(key, n)
-        return total
+                counts.append(overhead)
+        tools_text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
+        found = await self._count_many([text for _, text in pending] + [tools_text])
+        new = dict(zip((key for key, _ in pending), found, strict=False))
+        for key, n in new.items():
+            self._remember(key, n)
+        counts = [c + new.get(k, 0) for c, k in zip(counts, keys, strict=True)]
+        total += sum(counts) + found[-1]
+        # The first message (usually the system prompt) is a prefix other requests share:
+        # identical bytes give identical tokens, and vLLM caches its full blocks.
+        prefix_key = None
+        if len(messages) >= 2:
+            prefix_key = hashlib.blake2b(keys[0] + tools_text.encode(), digest_size=16).digest()
+        return PromptCount(total, counts[0] if prefix_key else 0, prefix_key)
 
     async def count_prompt(self, prompt: str | Sequence[Any]) -> int:
         """A completions prompt: a string, a list of token ids, or a list of strings (summed)."""
@@ -213,7 +231,7 @@ class PromptCounter:
         return sum(counts) + sum(len(p) for p in prompt if isinstance(p, list))
 
     async def _count_many(self, texts: list[str]) -> list[int]:
-        if sum(len(t) for t in texts) <= OFF_LOOP_CHARS:
+        if not texts or sum(len(t) for t in texts) <= OFF_LOOP_CHARS:
             return [self._count_now(t) for t in texts]
         return await asyncio.to_thread(lambda: [self._count_now(t) for t in texts])
 

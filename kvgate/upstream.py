@@ -90,14 +90,18 @@ def _openai_error_body(raw: bytes, status: int) -> dict[str, Any]:
     elif isinstance(data, dict) and "message" in data:
         body = {k: data.get(k) for k in ("message", "type", "param", "code")}
     else:
-        text = raw.decode("utf-8", "replace")[:500] if raw else str(error or "")
-        body = {"message": text or f"upstream answered {status}", "type": "upstream_error"}
-    message = str(body.get("message", ""))
+        text = error if isinstance(error, str) else raw.decode("utf-8", "replace")[:500]
+        body = {"message": text}
+    message = str(body.get("message") or f"upstream answered {status}")
+    code = body.get("code")
     if status == 400 and "context length" in message.lower():
-        body["code"] = "context_length_exceeded"
-    body.setdefault("param", None)
-    body.setdefault("code", None)
-    return {"error": body}
+        code = "context_length_exceeded"
+    return {"error": {
+        "message": message,
+        "type": str(body.get("type") or "upstream_error"),
+        "param": body.get("param"),
+        "code": code,
+    }}
 
 
 class Relay:

@@ -17,10 +17,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from kvgate.api.routes import GATEWAY
 from kvgate.app import build_app
 from kvgate.config import Config, parse_config
 from kvgate.gateway import Gateway
-from kvgate.api.routes import GATEWAY
 from kvgate.state.base import StateStore
 
 
@@ -35,6 +35,12 @@ class StubUpstream:
     error_body: bytes = b'{"error": {"message": "boom", "type": "InternalError", "param": null, "code": 500}}'
     gate: asyncio.Event | None = None  # streams wait here after the first chunk
     delay_headers_s: float = 0.0
+    # Mid-stream failures: stall this long after the first chunk, or cut the connection
+    # (no terminating chunk) once this many chunks are out.
+    idle_after_first_chunk_s: float = 0.0
+    drop_after_chunks: int | None = None
+    # Answer a non-streamed call 200 with exactly these bytes (e.g. invalid JSON).
+    raw_body: bytes | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
@@ -85,6 +91,8 @@ class StubUpstream:
         prompt_tokens = 10
         if not body.get("stream"):
             self.finished += 1
+            if self.raw_body is not None:
+                return web.Response(body=self.raw_body, content_type="application/json")
             message = {"role": "assistant", "content": "tok " * n}
             choice = {"index": 0, "finish_reason": "length"}
             choice.update({"message": message} if chat else {"text": "tok " * n})
@@ -97,6 +105,10 @@ class StubUpstream:
         await response.prepare(request)
         try:
             for i in range(n):
+                if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
                 delta = {"content": f"tok{i} "}
                 if chat:
                     chunk = {"id": "x", "object": "chat.completion.chunk", "model": body["model"],
@@ -107,6 +119,8 @@ class StubUpstream:
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if i == 0 and self.gate is not None:
                     await self.gate.wait()
+                if i == 0 and self.idle_after_first_chunk_s:
+                    await asyncio.sleep(self.idle_after_first_chunk_s)
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"id": "x", "object": "chat.completion.chunk", "choices": [],
                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
@@ -198,3 +212,27 @@ async def gateway_factory() -> AsyncIterator[Callable[..., Awaitable[RunningGate
     yield make
     for gw in running:
         await gw.runner.cleanup()
+
+
+def openai_error(raw: bytes) -> dict[str, Any]:
+    """The `error` object of an OpenAI-shaped error body, after checking the shape exactly."""
+    data = orjson.loads(raw)
+    assert isinstance(data, dict) and set(data) == {"error"}, data
+    error = data["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    return error  # type: ignore[no-any-return]
+
+
+async def wait_settled(gw: RunningGateway, timeout_s: float = 5.0) -> None:
+    """Until every replica's ledger is back to 0 and it has nothing in flight; else fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {r.id: await gw.gateway.store.held(f"ledger:{r.id}") for r in gw.gateway.registry}
+        inflight = {r.id: list(r.inflight) for r in gw.gateway.registry if r.inflight}
+        if not any(held.values()) and not inflight:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not settled: ledgers {held}, in flight {inflight}")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,340 @@
+"""The HTTP surface of a simulated replica: vLLM's OpenAI-compatible API plus `/sim/*`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+POST /tokenize, POST /detokenize, GET /metrics, and the control routes in `control.py`.
+Middlewares, outermost first: error bodies in vLLM's shape, the optional API key (paths under
+/v1 only), then the request faults (latency, hang, 500s) on /v1 paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate.sim import control
+from kvgate.sim.request import ContextLengthError, FinishReason
+from kvgate.sim.responses import DONE, ChunkWriter, Completion, error_body
+from kvgate.sim.runtime import EngineRuntime, Generation
+from kvgate.sim.text import PromptError
+
+if TYPE_CHECKING:
+    from kvgate.sim.server import SimReplica
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> web.Response:
+        error_type = ERROR_TYPES.get(self.status, "Error")
+        body = error_body(self.message, error_type, self.status, self.param)
+        return web.Response(status=self.status, body=body, content_type="application/json")
+
+
+def build_app(replica: SimReplica, runtime: EngineRuntime) -> web.Application:
+    api = OpenAIApi(replica, runtime)
+    app = web.Application(
+        middlewares=[_errors, _auth_middleware(replica), _fault_middleware(replica)],
+        client_max_size=64 * 1024 * 1024,
+    )
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", api.chat_completions),
+            web.post("/v1/completions", api.completions),
+            web.get("/v1/models", api.models),
+            web.get("/health", api.health),
+            web.post("/tokenize", api.tokenize),
+            web.post("/detokenize", api.detokenize),
+            web.get("/metrics", api.metrics),
+            *control.routes(replica, runtime),
+        ]
+    )
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+
+
+def _auth_middleware(replica: SimReplica) -> Middleware:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = replica.config.api_key
+        if (
+            key
+            and request.path.startswith("/v1")
+            and request.headers.get("Authorization") != f"Bearer {key}"
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+def _fault_middleware(replica: SimReplica) -> Middleware:
+    @web.middleware
+    async def faults(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1"):
+            if replica.faults.latency_s > 0:
+                await asyncio.sleep(replica.faults.latency_s)
+            while replica.faults.hang:
+                await replica.faults_changed()
+            if replica.faults.draw_error(replica.fault_rng):
+                raise ApiError(500, "Simulated internal server error (fault injection).")
+        return await handler(request)
+
+    return faults
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    return body
+
+
+def _optional_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{key} must be an integer, got {value!r}.", key)
+    if value < minimum:
+        raise ApiError(400, f"{key} must be at least {minimum}, got {value}.", key)
+    return value
+
+
+class OpenAIApi:
+    def __init__(self, replica: SimReplica, runtime: EngineRuntime) -> None:
+        self.replica = replica
+        self.runtime = runtime
+        self.model = replica.config.served_model_name
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ generation
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_common(body)
+        try:
+            prompt_ids = self.replica.encoder.encode_chat(
+                body.get("messages"), bool(body.get("add_generation_prompt", True))
+            )
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "messages") from exc
+        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _optional_int(body, "max_tokens", 1)
+        return await self._generate(request, body, prompt_ids, max_tokens, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_common(body)
+        try:
+            prompt_ids = self.replica.encoder.encode_prompt(body.get("prompt"))
+        except PromptError as exc:
+            raise ApiError(400, str(exc), "prompt") from exc
+        max_tokens = _optional_int(body, "max_tokens", 1)
+        return await self._generate(
+            request, body, prompt_ids, 16 if max_tokens is None else max_tokens, chat=False
+        )
+
+    def _check_common(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        priority = body.get("priority", 0)
+        if priority not in (0, None):
+            raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
+        n = body.get("n")
+        if n not in (None, 1):
+            raise ApiError(400, "The simulator supports n=1 only.", "n")
+
+    async def _generate(
+        self,
+        request: web.Request,
+        body: Mapping[str, Any],
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        *,
+        chat: bool,
+    ) -> web.StreamResponse:
+        runtime = self.runtime
+        base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            generation = runtime.submit(
+                runtime.unique_id(base_id),
+                prompt_ids,
+                max_tokens,
+                ignore_eos=bool(body.get("ignore_eos", False)),
+            )
+        except ContextLengthError as exc:
+            raise ApiError(400, str(exc)) from exc
+        completion = Completion(
+            chat, f"{'chatcmpl' if chat else 'cmpl'}-{base_id}", int(time.time()), self.model
+        )
+        drop_after = self.replica.faults.draw_drop(self.replica.fault_rng)
+        try:
+            if body.get("stream"):
+                options = body.get("stream_options") or {}
+                include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return await self._stream(
+                    request, generation, completion, include_usage, drop_after, base_id
+                )
+            await generation.wait_finished()
+            if drop_after is not None:
+                raise _drop(request)
+            return self._full_response(generation, completion, base_id)
+        except ConnectionResetError:
+            # The client left or the connection was dropped on purpose; nobody reads this.
+            return web.Response(status=499)
+        finally:
+            runtime.abort(generation)  # a no-op once finished; frees blocks on any other end
+
+    def _full_response(
+        self, generation: Generation, completion: Completion, base_id: str
+    ) -> web.Response:
+        reason = generation.finish_reason
+        if reason is None or reason is FinishReason.ABORT:
+            raise ApiError(500, "The engine aborted the request.")
+        body = completion.full(
+            generation.num_ready, reason.value, generation.request.num_prompt_tokens
+        )
+        return web.Response(
+            body=orjson.dumps(body),
+            content_type="application/json",
+            headers={"X-Request-Id": base_id},
+        )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        generation: Generation,
+        completion: Completion,
+        include_usage: bool,
+        drop_after: int | None,
+        base_id: str,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": base_id,
+            }
+        )
+        await response.prepare(request)
+        writer = ChunkWriter(completion)
+        budget = drop_after  # chunks left before the connection drops; None = no drop
+
+        async def send(data: bytes, chunks: int) -> None:
+            nonlocal budget
+            if budget is not None:
+                if budget < chunks:
+                    raise _drop(request)
+                budget -= chunks
+            await response.write(data)
+
+        if completion.chat:
+            await send(writer.role(), 1)
+        sent = 0
+        while True:
+            await generation.wait_beyond(sent)
+            ready, reason = generation.num_ready, generation.finish_reason
+            if reason is FinishReason.ABORT:
+                error = error_body("The engine aborted the request.", "InternalServerError", 500)
+                await response.write(b"data: " + error + b"\n\n" + DONE)
+                return response
+            finish = None if reason is None else reason.value
+            if budget is None:
+                await send(writer.tokens(sent, ready, finish), ready - sent)
+            else:
+                for i in range(sent, ready):
+                    await send(writer.tokens(i, i + 1, finish if i == ready - 1 else None), 1)
+            sent = ready
+            if reason is not None:
+                break
+        tail = writer.usage(generation.request.num_prompt_tokens, sent) if include_usage else b""
+        await send(tail + DONE, 2 if include_usage else 1)
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ the rest
+
+    async def models(self, request: web.Request) -> web.Response:
+        cfg = self.replica.config
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+            "permission": [],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.replica.faults.health_fail else 200)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        self._check_common(body)
+        encoder = self.replica.encoder
+        try:
+            if "messages" in body:
+                add_prompt = bool(body.get("add_generation_prompt", True))
+                tokens = encoder.encode_chat(body["messages"], add_prompt)
+            else:
+                tokens = encoder.encode_prompt(body.get("prompt"))
+        except PromptError as exc:
+            raise ApiError(400, str(exc)) from exc
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.replica.config.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        self._check_common(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ApiError(400, "'tokens' must be a list of token ids.", "tokens")
+        try:
+            text = self.replica.encoder.decode(tokens)
+        except (KeyError, ValueError) as exc:
+            raise ApiError(400, f"Invalid token ids: {exc}", "tokens") from exc
+        return web.json_response({"prompt": text})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.runtime.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _drop(request: web.Request) -> ConnectionResetError:
+    """Cut the connection as a crashing server would; raise the result to unwind the handler."""
+    if request.transport is not None:
+        request.transport.abort()
+    return ConnectionResetError("connection dropped (fault injection)")

@@ -1,0 +1,368 @@
+"""The simulated vLLM V1 engine: continuous batching over a paged KV pool, one step at a time.
+
+Pure: no I/O, no clock of its own (callers pass the simulated time), deterministic for a seed.
+A step does what vLLM V1's `Scheduler.schedule()` and `update_from_output()` do:
+
+1. Every running request, in order, gets its next tokens (a decode token or the next prefill
+   chunk) within the step's token budget. Blocks are allocated for the tokens computed now,
+   never reserved for max_tokens. When none is free, the most recently admitted running
+   request is preempted (blocks freed, computed tokens reset, back to the *front* of the
+   waiting queue, recomputed later) until the allocation succeeds.
+2. Only if nothing was preempted, waiting requests are admitted in order while the budget,
+   `max_num_seqs` and blocks last; a head that does not fit blocks those behind it. A request
+   first looks up its longest chain of cached prefix blocks (capped so one prompt token is
+   computed).
+3. Each request whose computed tokens caught up with its tokens samples one output token; it
+   finishes at its drawn output length (`stop`) or at max_tokens (`length`), freeing its
+   blocks tail first.
+
+The step's simulated cost is `step_overhead_s + prefill_tokens * prefill_token_s +
+decode_seqs * decode_seq_s`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.sim.blocks import Block, BlockPool
+from kvgate.sim.config import SimConfig
+from kvgate.sim.request import (
+    FinishReason,
+    SimRequest,
+    Status,
+    check_context_length,
+    draw_output_len,
+)
+from kvgate.sim.text import FILLER_TOKEN_IDS
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Monotonic counters since the engine started (a restart starts from zero)."""
+
+    steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """One sampled token. `index` is its position in the output (0 = the first token)."""
+
+    request: SimRequest
+    index: int
+    finish_reason: FinishReason | None
+    inter_token_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    start_time: float
+    cost_s: float
+    scheduled: dict[str, int]
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    outputs: list[TokenOutput]
+    preempted: list[str]
+    finished: list[SimRequest]
+
+    @property
+    def end_time(self) -> float:
+        return self.start_time + self.cost_s
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduled
+
+
+class Engine:
+    def __init__(
+        self, config: SimConfig, filler_token_ids: Sequence[int] = FILLER_TOKEN_IDS
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self._filler = tuple(filler_token_ids)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int | None,
+        now: float,
+        *,
+        ignore_eos: bool = False,
+    ) -> SimRequest:
+        """Queue a request. Raises ContextLengthError as vLLM's 400; ValueError on a reused id."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        cfg = self.config
+        max_tokens = check_context_length(len(prompt_token_ids), max_tokens, cfg.max_model_len)
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        output_len = max_tokens
+        if not ignore_eos:
+            output_len = draw_output_len(
+                self._rng,
+                max_tokens,
+                cfg.output_len_dist,
+                min_fraction=cfg.output_len_min_fraction,
+                median_fraction=cfg.output_len_median_fraction,
+                sigma=cfg.output_len_sigma,
+            )
+        request = SimRequest(
+            request_id, prompt_token_ids, max_tokens, output_len, now, self.block_size
+        )
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str, now: float) -> SimRequest | None:
+        """Remove an unfinished request and free its blocks (a client went away)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        request.finished_time = now
+        self.stats.aborted += 1
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, now: float) -> StepResult:
+        scheduled, preempted = self._schedule(now)
+        cfg = self.config
+        prefill_tokens = decode_seqs = 0
+        for request, n in scheduled:
+            if n == 1 and request.num_output_tokens and request.num_computed_tokens + 1 == (
+                request.num_tokens
+            ):
+                decode_seqs += 1
+            else:
+                prefill_tokens += n
+        if not scheduled:
+            return StepResult(now, 0.0, {}, 0, 0, [], preempted, [])
+        cost = (
+            cfg.step_overhead_s
+            + prefill_tokens * cfg.prefill_token_s
+            + decode_seqs * cfg.decode_seq_s
+        )
+        end = now + cost
+        outputs: list[TokenOutput] = []
+        finished: list[SimRequest] = []
+        for request, n in scheduled:
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk; no token yet
+            output = self._sample(request, end)
+            outputs.append(output)
+            if output.finish_reason is not None:
+                self._finish(request, output.finish_reason, end)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        self.stats.steps += 1
+        return StepResult(
+            now,
+            cost,
+            {request.request_id: n for request, n in scheduled},
+            prefill_tokens,
+            decode_seqs,
+            outputs,
+            preempted,
+            finished,
+        )
+
+    def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], list[str]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, n, preempted):
+                break  # the request itself was the last one left to preempt
+            scheduled.append((request, n))
+            budget -= n
+            index += 1
+        if preempted:
+            return scheduled, preempted
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self._lookup(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if not self._allocate(request, n, hits, num_hit_tokens):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = Status.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled, preempted
+
+    # ------------------------------------------------------------------ KV management
+
+    def _allocate_or_preempt(self, request: SimRequest, n: int, preempted: list[str]) -> bool:
+        """Preempt from the tail of the running list until `request` gets its blocks."""
+        while not self._allocate(request, n, [], 0):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _lookup(self, request: SimRequest) -> tuple[list[Block], int]:
+        """The longest chain of cached blocks for a request's tokens; counted as vLLM does."""
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def _allocate(
+        self, request: SimRequest, n: int, hits: list[Block], num_hit_tokens: int
+    ) -> bool:
+        """Blocks for `n` more tokens (after the prefix hits); False when they do not fit."""
+        bs = self.block_size
+        computed = request.num_computed_tokens + num_hit_tokens
+        needed = -(-(computed + n) // bs)
+        num_new = needed - len(request.blocks) - len(hits)
+        evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new + evictable_hits > self.pool.num_free_blocks:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            request.blocks.extend(hits)
+        if num_new > 0:
+            request.blocks.extend(self.pool.allocate(num_new))
+        num_full = min(computed + n, request.num_tokens) // bs
+        for i in range(request.num_cached_blocks, num_full):
+            self.pool.cache(request.blocks[i], request.block_hashes[i])
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+        return True
+
+    def _free(self, request: SimRequest) -> None:
+        self.pool.free(reversed(request.blocks))
+        request.blocks = []
+        request.num_cached_blocks = 0
+
+    def _preempt(self, request: SimRequest) -> None:
+        self._free(request)
+        request.num_computed_tokens = 0
+        request.status = Status.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ outputs
+
+    def _sample(self, request: SimRequest, end: float) -> TokenOutput:
+        index = request.num_output_tokens
+        request.append_output(self._filler[index % len(self._filler)], self.block_size)
+        self.stats.generation_tokens += 1
+        if index == 0:
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            request.first_token_time = end
+        inter_token = None if request.last_token_time is None else end - request.last_token_time
+        request.last_token_time = end
+        reason: FinishReason | None = None
+        if request.num_output_tokens >= request.output_len:
+            reason = (
+                FinishReason.STOP if request.output_len < request.max_tokens else FinishReason.LENGTH
+            )
+        elif request.num_tokens >= self.config.max_model_len:
+            reason = FinishReason.LENGTH
+        return TokenOutput(request, index, reason, inter_token)
+
+    def _finish(self, request: SimRequest, reason: FinishReason, end: float) -> None:
+        self._free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.finished_time = end
+        del self.requests[request.request_id]
+        self.stats.finished += 1
+
+    # ------------------------------------------------------------------ inspection
+
+    def state(self, *, with_requests: bool = False) -> dict[str, Any]:
+        """The live state `/sim/state` reports."""
+        pool = self.pool
+        state: dict[str, Any] = {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "num_gpu_blocks": pool.num_gpu_blocks,
+            "block_size": self.block_size,
+            "free_blocks": pool.num_free_blocks,
+            "held_blocks": pool.num_gpu_blocks - 1 - pool.num_free_blocks,
+            "cached_blocks": pool.num_cached_blocks,
+            "kv_cache_usage_perc": pool.usage(),
+            "preemptions": self.stats.num_preemptions,
+            "prefix_cache_queries": self.stats.prefix_cache_queries,
+            "prefix_cache_hits": self.stats.prefix_cache_hits,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "generation_tokens": self.stats.generation_tokens,
+            "finished": self.stats.finished,
+            "aborted": self.stats.aborted,
+            "steps": self.stats.steps,
+            "evictions": pool.evictions,
+        }
+        if with_requests:
+            state["requests"] = [
+                {
+                    "id": r.request_id,
+                    "status": r.status.value,
+                    "prompt_tokens": r.num_prompt_tokens,
+                    "output_tokens": r.num_output_tokens,
+                    "max_tokens": r.max_tokens,
+                    "computed_tokens": r.num_computed_tokens,
+                    "cached_tokens": max(0, r.num_cached_tokens),
+                    "blocks": len(r.blocks),
+                    "preemptions": r.num_preemptions,
+                }
+                for r in (*self.running, *self.waiting)
+            ]
+        return state

@@ -1,0 +1,293 @@
+"""Bad input: every mistake a client can make gets a clear 4xx in OpenAI's error shape, never a
+500, and nothing of it reaches a replica.
+
+One stub replica and one kvgate serve the whole module (the cases only read), so the ~70
+requests here cost one start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+
+from kvgate.app import build_app
+from tests.plugins.gateway import (
+    RunningGateway,
+    StubUpstream,
+    gateway_config,
+    openai_error,
+    serve_app,
+    wait_settled,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+BODY_LIMIT = 64 * 1024
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+@dataclass
+class Target:
+    stub: StubUpstream
+    gw: RunningGateway
+    session: aiohttp.ClientSession
+
+    async def post(
+        self, path: str, body: Any, **kwargs: Any
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        async with self.session.post(f"{self.gw.url}{path}", data=data, **kwargs) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def target() -> AsyncIterator[Target]:
+    stub = StubUpstream()  # reports max_model_len 4096
+    stub.runner, stub.url = await serve_app(stub.app())
+    app = build_app(gateway_config([stub.url], server={"max_body_bytes": BODY_LIMIT}))
+    runner, url = await serve_app(app)
+    gw = RunningGateway(url, app, runner)
+    try:
+        await gw.wait_healthy()
+        async with aiohttp.ClientSession() as session:
+            yield Target(stub, gw, session)
+    finally:
+        await runner.cleanup()
+        await stub.runner.cleanup()
+
+
+@pytest.fixture
+def nothing_forwarded(target: Target) -> Iterator[None]:
+    before = len(target.stub.received)
+    yield
+    assert target.stub.received[before:] == [], "a refused request reached the replica"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "stub-model", "messages": USER_HI, "max_tokens": 5, **fields}
+
+
+# (id, path, body, status, code, param)
+REFUSALS: list[tuple[str, str, Any, int, str | None, str | None]] = [
+    ("malformed-json", CHAT, b'{"model": "stub-model", ', 400, None, None),
+    ("empty-body", CHAT, b"", 400, None, None),
+    ("array-body", CHAT, b"[1, 2]", 400, None, None),
+    ("string-body", CHAT, b'"hello"', 400, None, None),
+    ("null-body", CHAT, b"null", 400, None, None),
+    ("missing-model", CHAT, {"messages": USER_HI}, 400, None, "model"),
+    ("empty-model", CHAT, chat(model=""), 400, None, "model"),
+    ("model-not-string", CHAT, chat(model=7), 400, None, "model"),
+    ("missing-messages", CHAT, {"model": "stub-model"}, 400, None, "messages"),
+    ("missing-prompt", COMPLETIONS, {"model": "stub-model"}, 400, None, "prompt"),
+    ("messages-not-list", CHAT, chat(messages="hi"), 400, None, "messages"),
+    ("messages-empty", CHAT, chat(messages=[]), 400, None, "messages"),
+    ("message-not-object", CHAT, chat(messages=["hi"]), 400, None, "messages[0]"),
+    ("role-missing", CHAT, chat(messages=[{"content": "hi"}]), 400, None, "messages[0].role"),
+    ("content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, None,
+     "messages[0].content"),
+    ("content-object", CHAT, chat(messages=[{"role": "user", "content": {"text": "hi"}}]), 400,
+     None, "messages[0].content"),
+    ("stream-string", CHAT, chat(stream="yes"), 400, None, "stream"),
+    ("stream-options-string", CHAT, chat(stream=True, stream_options="x"), 400, None,
+     "stream_options"),
+    ("max-tokens-string", CHAT, chat(max_tokens="5"), 400, None, "max_tokens"),
+    ("max-tokens-bool", CHAT, chat(max_tokens=True), 400, None, "max_tokens"),
+    ("max-tokens-float", CHAT, chat(max_tokens=5.0), 400, None, "max_tokens"),
+    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, None, "max_tokens"),
+    ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, None, "max_tokens"),
+    ("max-tokens-absurd", CHAT, chat(max_tokens=10**9), 400, None, "max_tokens"),
+    ("max-completion-tokens-string", CHAT, chat(max_completion_tokens="9"), 400, None,
+     "max_completion_tokens"),
+    ("user-not-string", CHAT, chat(user=5), 400, None, "user"),
+    ("unknown-model", CHAT, chat(model="no-such-model"), 404, "model_not_found", "model"),
+    ("unknown-model-completions", COMPLETIONS,
+     {"model": "no-such-model", "prompt": "hi", "max_tokens": 5}, 404, "model_not_found", "model"),
+    # The stub reports max_model_len 4096.
+    ("prompt-plus-max-tokens-over-context", CHAT, chat(max_tokens=4095), 400,
+     "context_length_exceeded", "max_tokens"),
+    # vLLM reads max_completion_tokens first: a small max_tokens beside it bounds nothing.
+    ("max-completion-tokens-over-context-beside-small-max-tokens", CHAT,
+     chat(max_tokens=5, max_completion_tokens=4095), 400, "context_length_exceeded",
+     "max_tokens"),
+    ("completions-over-context", COMPLETIONS,
+     {"model": "stub-model", "prompt": "hello there", "max_tokens": 4095}, 400,
+     "context_length_exceeded", "max_tokens"),
+    ("prompt-alone-over-context", CHAT,
+     {"model": "stub-model", "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
+     "context_length_exceeded", "messages"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in REFUSALS],
+)
+async def test_bad_request_is_refused_in_openai_shape_and_not_forwarded(
+    target: Target, nothing_forwarded: None,
+    path: str, body: Any, status: int, code: str | None, param: str | None,
+) -> None:
+    got, headers, raw = await target.post(path, body, headers={"X-Request-Id": "bad-1"})
+    assert got == status, raw
+    error = openai_error(raw)
+    assert error["type"] == "invalid_request_error"
+    if code is not None:
+        assert error["code"] == code
+    assert error["param"] == param
+    assert headers["x-request-id"] == "bad-1"
+    assert headers["content-type"].startswith("application/json")
+
+
+async def test_a_request_that_fits_the_context_is_forwarded(target: Target) -> None:
+    """The control for the context cases above: just under the limit goes through."""
+    status, _, raw = await target.post(CHAT, chat(max_tokens=4000))
+    assert status == 200, raw
+    assert target.stub.received[-1]["max_tokens"] == 4000
+
+
+async def test_body_over_the_limit_with_content_length_is_413(
+    target: Target, nothing_forwarded: None
+) -> None:
+    body = orjson.dumps(chat(messages=[{"role": "user", "content": "x" * (BODY_LIMIT + 1)}]))
+    status, _, raw = await target.post(CHAT, body)
+    assert status == 413
+    assert openai_error(raw)["code"] == "request_too_large"
+
+
+async def test_body_of_exactly_the_limit_is_read(target: Target) -> None:
+    template = orjson.dumps(chat(messages=[{"role": "user", "content": ""}]))
+    padding = b"x" * (BODY_LIMIT - len(template))
+    body = template.replace(b'"content":""', b'"content":"' + padding + b'"')
+    assert len(body) == BODY_LIMIT
+    status, _, raw = await target.post(CHAT, body)
+    assert status in (200, 400), raw  # not 413: read and parsed
+    if status == 400:
+        assert openai_error(raw)["code"] == "context_length_exceeded"
+
+
+async def test_body_over_the_limit_in_chunked_encoding_is_413(
+    target: Target, nothing_forwarded: None
+) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "stub-model", "messages": [{"role": "user", "content": "'
+        for _ in range(BODY_LIMIT // 4096 + 2):
+            yield b"x" * 4096
+        yield b'"}]}'
+
+    status, _, raw = await _post_stream(target, CHAT, chunks())
+    assert status == 413
+    assert openai_error(raw)["code"] == "request_too_large"
+
+
+async def _post_stream(
+    target: Target, path: str, body: AsyncIterator[bytes]
+) -> tuple[int, dict[str, str], bytes]:
+    async with target.session.post(f"{target.gw.url}{path}", data=body) as r:
+        assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
+        return r.status, dict(r.headers), await r.read()
+
+
+async def test_body_under_the_limit_in_chunked_encoding_is_served(target: Target) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        raw = orjson.dumps(chat())
+        yield raw[:10]
+        yield raw[10:]
+
+    status, _, raw = await _post_stream(target, CHAT, chunks())
+    assert status == 200, raw
+
+
+async def test_unknown_path_is_404_in_openai_shape(target: Target, nothing_forwarded: None) -> None:
+    status, _, raw = await target.post("/v1/embeddingz", chat())
+    assert status == 404
+    assert openai_error(raw)["code"] == "unknown_url"
+
+
+async def test_wrong_method_is_405_naming_the_allowed_one(
+    target: Target, nothing_forwarded: None
+) -> None:
+    async with target.session.get(f"{target.gw.url}{CHAT}") as r:
+        status, allow, raw = r.status, r.headers.get("Allow"), await r.read()
+    assert status == 405
+    assert allow == "POST"
+    error = openai_error(raw)
+    assert error["code"] == "method_not_allowed" and "POST" in error["message"]
+
+
+# Hostile bodies: each must come back a 4xx in OpenAI's shape, whatever is inside.
+DEEP = b"[" * 100_000 + b"]" * 100_000
+HOSTILE: list[tuple[str, str, Any]] = [
+    ("deeply-nested-array", CHAT, DEEP),
+    ("deeply-nested-model", CHAT, b'{"model": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}"),
+    ("model-object", CHAT, chat(model={"name": [[["stub-model"]]]})),
+    ("model-list", CHAT, chat(model=["stub-model"])),
+    ("all-null", CHAT, {"model": None, "messages": None, "max_tokens": None, "stream": None,
+                        "stream_options": None, "user": None}),
+    ("messages-null-only", CHAT, chat(messages=None)),
+    ("messages-list-of-null", CHAT, chat(messages=[None])),
+    ("messages-null-after-good", CHAT, chat(messages=[*USER_HI, None])),
+    ("role-null", CHAT, chat(messages=[{"role": None, "content": "hi"}])),
+    ("role-number", CHAT, chat(messages=[{"role": 1, "content": "hi"}])),
+    ("content-part-without-type", CHAT,
+     chat(messages=[{"role": "user", "content": [{"text": "hi"}]}])),
+    ("content-part-null", CHAT, chat(messages=[{"role": "user", "content": [None]}])),
+    ("content-part-type-number", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": 3, "text": "hi"}]}])),
+    ("content-part-list", CHAT, chat(messages=[{"role": "user", "content": [["text", "hi"]]}])),
+    ("content-bool", CHAT, chat(messages=[{"role": "user", "content": True}])),
+    ("tool-calls-number", CHAT,
+     chat(messages=[*USER_HI, {"role": "assistant", "content": None, "tool_calls": 5}])),
+    ("tool-calls-list-of-null", CHAT,
+     chat(messages=[*USER_HI, {"role": "assistant", "content": None, "tool_calls": [None]}])),
+    ("name-object", CHAT, chat(messages=[{"role": "user", "content": "hi", "name": {"a": 1}}])),
+    ("max-tokens-huge-integer", CHAT, b'{"model": "stub-model", "messages": [{"role": "user",'
+     b' "content": "hi"}], "max_tokens": 123456789012345678901234567890}'),
+    ("max-tokens-1e308", CHAT, chat(max_tokens=1e308)),
+    ("max-tokens-infinity-literal", CHAT, b'{"model": "stub-model", "messages": [{"role": "user",'
+     b' "content": "hi"}], "max_tokens": Infinity}'),
+    ("max-tokens-nan-literal", CHAT, b'{"model": "stub-model", "messages": [{"role": "user",'
+     b' "content": "hi"}], "max_tokens": NaN}'),
+    ("max-tokens-object", CHAT, chat(max_tokens={"$gt": 1})),
+    ("max-tokens-list", CHAT, chat(max_tokens=[5])),
+    ("max-tokens-negative-zero", CHAT, chat(max_tokens=-0.0)),
+    ("stream-number", CHAT, chat(stream=1)),
+    ("stream-options-list", CHAT, chat(stream=True, stream_options=[{"include_usage": True}])),
+    ("user-object", CHAT, chat(user={"id": 1})),
+    ("invalid-utf8", CHAT, b'{"model": "\xff\xfe", "messages": [{"role": "user", "content": "hi"}]}'),
+    ("lone-surrogate", CHAT,
+     b'{"model": "stub-model", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("unicode-unknown-model", CHAT, chat(model="模型-🙂-\u202e")),
+    ("nul-in-model", CHAT, chat(model="stub-model\u0000")),
+    ("prompt-mixed-types", COMPLETIONS, {"model": "stub-model", "prompt": ["a", 1, None, [2]]}),
+    ("prompt-strings-and-null", COMPLETIONS, {"model": "stub-model", "prompt": ["a", None]}),
+    ("prompt-negative-token", COMPLETIONS, {"model": "stub-model", "prompt": [1, -1]}),
+    ("prompt-nested-bools", COMPLETIONS, {"model": "stub-model", "prompt": [[1, 2], [True]]}),
+    ("prompt-nested-negative", COMPLETIONS, {"model": "stub-model", "prompt": [[1, -5]]}),
+    ("prompt-nested-empty", COMPLETIONS, {"model": "stub-model", "prompt": [[]]}),
+    ("prompt-empty-list", COMPLETIONS, {"model": "stub-model", "prompt": []}),
+    ("prompt-object", COMPLETIONS, {"model": "stub-model", "prompt": {"text": "hi"}}),
+    ("prompt-number", COMPLETIONS, {"model": "stub-model", "prompt": 42}),
+    ("prompt-null", COMPLETIONS, {"model": "stub-model", "prompt": None}),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [pytest.param(*case[1:], id=case[0]) for case in HOSTILE]
+)
+async def test_hostile_body_gets_a_4xx_in_openai_shape_never_a_500(
+    target: Target, nothing_forwarded: None, path: str, body: Any
+) -> None:
+    status, _, raw = await target.post(path, body)
+    assert 400 <= status < 500, (status, raw[:300])
+    openai_error(raw)
+
+
+async def test_after_all_the_refusals_nothing_is_held(target: Target) -> None:
+    await wait_settled(target.gw)

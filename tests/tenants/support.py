@@ -1,0 +1,98 @@
+"""Helpers shared by the tenant tests: API keys, requests, and reading /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "stub-model"
+
+
+def digest(key: str) -> str:
+    """What the config holds for an API key: its SHA-256 in lowercase hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def chat(max_tokens: int = 5, *, stream: bool = False, model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+class Reply:
+    def __init__(self, status: int, headers: dict[str, str], raw: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.raw = raw
+
+    def json(self) -> Any:
+        return orjson.loads(self.raw)
+
+    def __repr__(self) -> str:
+        return f"Reply({self.status}, {self.raw[:300]!r})"
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, body: object, headers: dict[str, str] | None = None
+) -> Reply:
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read())
+
+
+async def metrics(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample on /metrics, keyed by (name, labels)."""
+    async with session.get(f"{url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll `check` until it holds; fail after `timeout_s` (a hang guard, not a timing claim)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_s:g}s")
+        await asyncio.sleep(0.05)
+
+
+def tokens_bucket(tenant: str) -> str:
+    """The state-store key of a tenant's tokens-per-minute bucket (kvgate.tenants names it)."""
+    return f"budget:{tenant}:tokens"
+
+
+def concurrency_pool(tenant: str) -> str:
+    """The state-store lease pool of a tenant's concurrent requests."""
+    return f"concurrency:{tenant}"
+
+
+RATE_LIMIT_HEADERS = tuple(
+    f"x-ratelimit-{what}-{kind}"
+    for kind in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+)

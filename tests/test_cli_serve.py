@@ -1,0 +1,268 @@
+"""`kvgate serve` as a real process: a bad config never listens, the quick start runs in front
+of one replica, and SIGHUP reloads the file (refusing a bad one, and leaving requests in flight
+under the config they started with).
+
+Each test starts one subprocess (about a second); stub replicas run in the test's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+
+from kvgate.app import reload
+from kvgate.cli import main
+from tests.plugins.gateway import gateway_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Kvgate:
+    """A `kvgate serve` subprocess whose stderr (its log) is collected line by line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._news = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            self.lines.append(line.decode(errors="replace").rstrip("\n"))
+            self._news.set()
+        self._news.set()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    async def wait_for(self, text: str, count: int = 1, timeout_s: float = 20.0) -> None:
+        """Until `text` has appeared on `count` log lines."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._news.clear()
+            if sum(text in line for line in self.lines) >= count:
+                return
+            if self._reader.done():
+                raise AssertionError(f"kvgate exited ({self.proc.returncode}):\n{self.log}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{text!r} not logged in {timeout_s}s:\n{self.log}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._news.wait(), remaining)
+
+    async def exit_code(self, timeout_s: float = 20.0) -> int:
+        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
+        await self._reader
+        return code
+
+    async def stop(self) -> int:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+        try:
+            return await self.exit_code(10.0)
+        except TimeoutError:
+            self.proc.kill()
+            return await self.exit_code(10.0)
+
+
+@pytest.fixture
+async def start_kvgate() -> AsyncIterator[Callable[..., Awaitable[Kvgate]]]:
+    started: list[Kvgate] = []
+
+    async def start(*argv: str) -> Kvgate:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvgate.cli", "serve", *argv,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=dict(os.environ),
+        )
+        kvgate = Kvgate(proc)
+        started.append(kvgate)
+        return kvgate
+
+    yield start
+    for kvgate in started:
+        with contextlib.suppress(ProcessLookupError):
+            await kvgate.stop()
+
+
+async def wait_ready(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"{url}/ready") as r:
+                    if r.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url} not ready in {timeout_s}s")
+            await asyncio.sleep(0.05)
+
+
+async def chat(url: str, body: dict[str, Any] = CHAT) -> tuple[int, dict[str, str], bytes]:
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{url}/v1/chat/completions", json=body
+    ) as r:
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give --config FILE or at least one --upstream URL"),
+        (["--config", "/nonexistent/kvgate.yaml"], "/nonexistent/kvgate.yaml: No such file"),
+        (["--upstream", "localhost:8000"], "pools.default.replicas[0].url: not an http(s) URL"),
+    ],
+)
+def test_serve_refuses_to_start_without_a_valid_config(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_tokenizer_that_cannot_load(tmp_path: Path, capsys):
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump({
+        "pools": {"default": {"replicas": [{"url": "http://127.0.0.1:9"}]}},
+        "models": [{"name": "m", "tokenizer": {"kind": "tiktoken", "encoding": "o200k_base"}}],
+    }))
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "o200k_base" in capsys.readouterr().err
+
+
+async def test_reload_refuses_a_tokenizer_that_cannot_load_and_keeps_the_old_config(
+    stub_factory, gateway_factory
+):
+    stub = await stub_factory()
+    config = gateway_config([stub.url])
+    gw = await gateway_factory(config)
+    bad = gateway_config([stub.url], models=[{"name": "m", "tokenizer": {"kind": "huggingface"}}])
+    assert reload(gw.app, lambda: bad) is False
+    assert gw.gateway.runtime.config is config
+    good = gateway_config([stub.url], default_model={"name": "*", "default_max_tokens": 7})
+    assert reload(gw.app, lambda: good) is True
+    assert gw.gateway.runtime.config is good
+
+
+async def test_serve_with_a_bad_config_exits_2_without_listening(start_kvgate, tmp_path: Path):
+    port = free_port()
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({
+        "server": {"port": port},
+        "pools": {"default": {"replicas": [{"url": "gpu-a:8000"}]}},
+        "tenants": [{"name": "acme", "colour": "red"}],
+    }))
+    kvgate = await start_kvgate("--config", str(path))
+    assert await kvgate.exit_code() == 2
+    assert "pools.default.replicas[0].url: not an http(s) URL" in kvgate.log
+    assert "tenants[0].colour: unknown key" in kvgate.log
+    assert "listening" not in kvgate.log
+
+
+async def test_quick_start_serves_one_replica_from_flags_alone(start_kvgate, stub_factory):
+    stub = await stub_factory(chunks=2)
+    port = free_port()
+    kvgate = await start_kvgate("--upstream", stub.url, "--port", str(port))
+    await kvgate.wait_for(f"kvgate listening on http://127.0.0.1:{port}")
+    url = f"http://127.0.0.1:{port}"
+    await wait_ready(url)
+    status, headers, raw = await chat(url, {**CHAT, "max_tokens": 2})
+    assert status == 200, raw
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == "tok tok "
+    assert headers["x-kvgate-replica"] == stub.url.removeprefix("http://")
+    assert len(stub.received) == 1
+    assert await kvgate.stop() == 0  # SIGTERM drains and exits cleanly
+
+
+async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
+    start_kvgate, stub_factory, tmp_path: Path
+):
+    gate = asyncio.Event()
+    old = await stub_factory(chunks=3, gate=gate)  # streams wait at the gate after one chunk
+    new = await stub_factory(chunks=3)
+    path = tmp_path / "kvgate.yaml"
+    file_port, port = free_port(), free_port()
+
+    def write(replica_url: str, default_max_tokens: int) -> None:
+        path.write_text(yaml.safe_dump({
+            "server": {"port": file_port},  # the --port flag wins over this
+            "discovery": {"interval_s": 0.1},
+            "pools": {"default": {"replicas": [{"url": replica_url}]}},
+            "models": [{"name": "stub-model", "default_max_tokens": default_max_tokens}],
+        }))
+
+    async def reload(reloads: int) -> None:
+        kvgate.proc.send_signal(signal.SIGHUP)
+        await kvgate.wait_for("config reloaded", count=reloads)
+
+    write(old.url, 11)
+    kvgate = await start_kvgate("--config", str(path), "--port", str(port))
+    await kvgate.wait_for(f"kvgate listening on http://127.0.0.1:{port}")
+    url = f"http://127.0.0.1:{port}"
+    await wait_ready(url)
+    assert (await chat(url))[0] == 200
+    assert old.received[-1]["max_tokens"] == 11
+
+    # A good file takes effect.
+    write(old.url, 22)
+    await reload(1)
+    assert (await chat(url))[0] == 200
+    assert old.received[-1]["max_tokens"] == 22
+
+    # A bad file is refused, logged, and the old config keeps serving.
+    path.write_text("pools:\n  default:\n    replicas:\n      - url: not-a-url\nbogus: 1\n")
+    kvgate.proc.send_signal(signal.SIGHUP)
+    await kvgate.wait_for("config reload refused")
+    await kvgate.wait_for("pools.default.replicas[0].url: not an http(s) URL")
+    assert "bogus: unknown key" in kvgate.log
+    status, headers, _ = await chat(url)
+    assert status == 200
+    assert old.received[-1]["max_tokens"] == 22
+    assert headers["x-kvgate-replica"] == old.url.removeprefix("http://")
+
+    # A stream in flight across a reload that moves the pool to another replica finishes on
+    # the replica, and with the max_tokens, it started with.
+    async with aiohttp.ClientSession() as session:
+        stream = await session.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
+        assert b"tok0" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
+        assert old.received[-1]["max_tokens"] == 22
+        write(new.url, 33)
+        await reload(2)
+        deadline = time.monotonic() + 10
+        while True:  # new requests move to the new replica once discovery has seen it
+            status, headers, _ = await chat(url)
+            if status == 200:
+                break
+            assert status == 503 and time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert headers["x-kvgate-replica"] == new.url.removeprefix("http://")
+        assert new.received[-1]["max_tokens"] == 33
+        assert old.finished == 3 and not stream.content.at_eof()
+        gate.set()
+        rest = await asyncio.wait_for(stream.read(), 10)
+        stream.release()
+    assert b"tok2" in rest and rest.endswith(b"data: [DONE]\n\n")
+    assert old.finished == 4
+    assert await kvgate.stop() == 0
