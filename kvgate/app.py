@@ -30,6 +30,7 @@ from kvgate.upstream import Relay
 log = logging.getLogger(__name__)
 
 GAUGE_INTERVAL_S = 1.0
+TASKS = web.AppKey("tasks", list)
 
 
 def build_store(config: Config) -> StateStore:
@@ -68,9 +69,9 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         runtime=Runtime(config, Directory(config.auth, config.tenants)),
         registry=registry,
         catalog=catalog,
-        relay=Relay(_placeholder_session(), config.timeouts),
+        relay=Relay(None, config.timeouts),  # its session is opened in _services
         admission=admission,
-        budgets=Budgets(store, metrics),
+        budgets=Budgets(store, metrics, keeper),
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
@@ -80,11 +81,6 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     add_routes(app)
     app.cleanup_ctx.append(_services)
     return app
-
-
-def _placeholder_session() -> aiohttp.ClientSession:
-    # Replaced in _services before the app serves; building a real session needs a loop.
-    return None  # type: ignore[return-value]
 
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
@@ -119,9 +115,6 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(*tasks, return_exceptions=True)
         await session.close()
         await gateway.store.close()
-
-
-TASKS = web.AppKey("tasks", list)
 
 
 def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

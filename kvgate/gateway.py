@@ -53,6 +53,7 @@ class RequestInfo:
     model: str = "unknown"
     pool: str = "none"
     tenant: str = "unknown"
+    disconnected: bool = False
 
 
 @dataclass(slots=True)
@@ -143,6 +144,7 @@ class Gateway:
             )
         finally:
             replica.inflight.pop(info.request_id, None)
+            info.disconnected = outcome.client_disconnected
             self.observe(info, bound, slot, outcome)
 
     async def settle(

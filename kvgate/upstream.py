@@ -105,8 +105,8 @@ def _openai_error_body(raw: bytes, status: int) -> dict[str, Any]:
 
 
 class Relay:
-    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutsConfig) -> None:
-        self.session = session
+    def __init__(self, session: aiohttp.ClientSession | None, timeouts: TimeoutsConfig) -> None:
+        self.session = session  # opened by the app once its event loop runs
         self.timeouts = timeouts
 
     async def forward(
@@ -125,6 +125,7 @@ class Relay:
         """Send `body` to the replica and relay its answer; `outcome` is filled in as it goes
         (so a caller that is cancelled midway still knows what was streamed)."""
         t = self.timeouts
+        assert self.session is not None, "the app's services are not started"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s)
         deadline = time.monotonic() + t.total_s
         try:

@@ -89,9 +89,11 @@ async def test_unknown_capacity_is_not_admitted_to(harness):
 
 async def test_the_emptier_candidate_is_used_when_the_first_is_full(harness):
     a, b = replica("a", 10), replica("b", 10)
-    async with harness.admission.admit(demand(16 * 8), [a, b]) as first:
-        async with harness.admission.admit(demand(16 * 8), [a, b]) as second:
-            assert (first.replica, second.replica) == (a, b)
+    async with (
+        harness.admission.admit(demand(16 * 8), [a, b]) as first,
+        harness.admission.admit(demand(16 * 8), [a, b]) as second,
+    ):
+        assert (first.replica, second.replica) == (a, b)
 
 
 async def test_a_replica_with_a_long_vllm_queue_is_held_back():

@@ -4,6 +4,7 @@ one middleware that turns every error into OpenAI's error shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     gateway = request.app[GATEWAY]
     try:
         response = await handler(request)
+    except asyncio.CancelledError:  # the client went away; everything held was released
+        gateway.metrics.requests.labels(info.model, info.pool, info.tenant, "disconnected").inc()
+        raise
     except KvgateError as exc:
         _count(gateway, info, exc)
         return error_response(exc, info.request_id)
@@ -55,8 +59,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
         outcome = "ok" if response.status < 400 else "upstream_error"
-        if response.status < 500 and response.status >= 400:
+        if 400 <= response.status < 500:
             outcome = "client_error"
+        if info.disconnected:
+            outcome = "disconnected"
         gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
         gateway.metrics.duration.labels(info.pool, info.model).observe(
             time.monotonic() - info.started

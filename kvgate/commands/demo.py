@@ -84,7 +84,10 @@ async def _main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"workload": {
         "requests": len(items), "duration_s": args.duration, "rate_per_s": args.rate,
         "long": sum(1 for i in items if i.kind == "long")}}
-    say = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr))
+
+    def say(message: str) -> None:
+        if not args.json:
+            print(message, file=sys.stderr)
 
     say(f"straight to the replicas: {len(items)} requests over {args.duration:g}s ...")
     fleet = await start_fleet(tokenizer, args.time_scale)
@@ -92,7 +95,7 @@ async def _main(args: argparse.Namespace) -> int:
     # the normal ones), without admission: the difference is what admission control does.
     targets = {"short": [fleet["normal-a"].url, fleet["normal-b"].url], "long": [fleet["long"].url]}
     results = await run_workload("", items, targets=targets, tenant_header=None)
-    report["round_robin"] = {**summarize(results).as_dict(), "replicas": replica_stats(fleet)}
+    report["no_admission"] = {**summarize(results).as_dict(), "replicas": replica_stats(fleet)}
     await stop_fleet(fleet)
 
     say("the same workload through kvgate ...")
@@ -204,7 +207,7 @@ def render(report: dict[str, Any]) -> str:
             f"{w['duration_s']:g}s, {w['rate_per_s']:g}/s", ""]
     header = f"{'':28}{'no admission':>16}{'through kvgate':>16}"
     rows.append(header)
-    rr, kv = report["round_robin"], report["kvgate"]
+    rr, kv = report["no_admission"], report["kvgate"]
 
     def row(label: str, a: Any, b: Any) -> None:
         rows.append(f"{label:28}{_fmt(a):>16}{_fmt(b):>16}")

@@ -85,15 +85,14 @@ async def test_first_chunk_reaches_the_client_before_the_upstream_finishes(stub_
     gate = asyncio.Event()
     stub = await stub_factory(chunks=3, gate=gate)
     gw = await gateway_factory(gateway_config([stub.url]))
-    async with aiohttp.ClientSession() as session:
-        async with session.post(
-            f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}
-        ) as response:
-            first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
-            assert b"tok0" in first
-            assert stub.finished == 0  # the upstream is still holding its stream open
-            gate.set()
-            rest = await response.read()
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as response:
+        first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
+        assert b"tok0" in first
+        assert stub.finished == 0  # the upstream is still holding its stream open
+        gate.set()
+        rest = await response.read()
     assert b"tok2" in rest and rest.endswith(b"data: [DONE]\n\n")
 
 

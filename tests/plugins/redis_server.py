@@ -121,7 +121,7 @@ async def memory_store() -> AsyncIterator[MemoryStore]:
 
 @pytest.fixture
 async def redis_store(redis_url: str, key_prefix: str) -> AsyncIterator[RedisStore]:
-    store = RedisStore(redis_url, key_prefix=key_prefix)
+    store = RedisStore(redis_url, key_prefix=key_prefix, timeout_s=2.0)
     yield store
     await store.close()
 

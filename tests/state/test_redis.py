@@ -20,7 +20,7 @@ pytestmark = pytest.mark.redis
 @pytest.fixture
 async def second_store(redis_url: str, key_prefix: str) -> AsyncIterator[RedisStore]:
     """Another kvgate instance on the same Redis: its own connection pool."""
-    store = RedisStore(redis_url, key_prefix=key_prefix)
+    store = RedisStore(redis_url, key_prefix=key_prefix, timeout_s=2.0)
     yield store
     await store.close()
 
@@ -149,7 +149,7 @@ async def test_an_unreachable_redis_raises_instead_of_hanging() -> None:
 
 
 async def test_the_store_recovers_when_redis_comes_back(private_redis: PrivateRedis) -> None:
-    store = RedisStore(private_redis.url, key_prefix="kvgate-test")
+    store = RedisStore(private_redis.url, key_prefix="kvgate-test", timeout_s=2.0)
     try:
         assert await store.try_acquire("pool", "a", 1, limit=10, ttl_s=30)
         await private_redis.stop()
@@ -165,7 +165,7 @@ async def test_the_store_recovers_when_redis_comes_back(private_redis: PrivateRe
 
 async def test_a_restart_between_calls_costs_no_error(private_redis: PrivateRedis) -> None:
     """Pooled connections left stale by a restart are replaced on the spot."""
-    store = RedisStore(private_redis.url, key_prefix="kvgate-test")
+    store = RedisStore(private_redis.url, key_prefix="kvgate-test", timeout_s=2.0)
     try:
         await store.ping()
         await private_redis.stop()

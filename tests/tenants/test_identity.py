@@ -37,10 +37,12 @@ async def test_each_api_key_identifies_its_tenant_and_is_not_forwarded(
         a = await post(s, gw.url, chat(), bearer("key-a"))
         b = await post(s, gw.url, chat(), bearer("key-b2"))
         lower = await post(s, gw.url, chat(), {"Authorization": "bearer key-b"})
-    assert (a.status, b.status, lower.status) == (200, 200, 200)
+        spoof = await post(s, gw.url, chat(), {"X-Tenant-Id": "team-b", **bearer("key-a")})
+    assert (a.status, b.status, lower.status, spoof.status) == (200, 200, 200, 200)
     assert a.headers["x-ratelimit-limit-tokens"] == "100000"
     assert b.headers["x-ratelimit-limit-tokens"] == "200000"
     assert lower.headers["x-ratelimit-limit-tokens"] == "200000"
+    assert spoof.headers["x-ratelimit-limit-tokens"] == "100000"  # api_key mode ignores it
     assert all("authorization" not in seen for seen in stub.headers_seen)
 
 

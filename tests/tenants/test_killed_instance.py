@@ -32,7 +32,9 @@ START_TIMEOUT_S = 30.0
 
 
 @contextlib.asynccontextmanager
-async def kvgate_serve(tree: dict[str, Any], tmp_path: Path) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+async def kvgate_serve(
+    tree: dict[str, Any], tmp_path: Path
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     """`kvgate serve --config FILE` in a subprocess, ready (its replica discovered)."""
     port = free_port()
     tree = {**tree, "server": {"host": "127.0.0.1", "port": port, "drain_s": 0}}
@@ -70,18 +72,22 @@ def config_tree(stub: StubUpstream, redis_url: str, key_prefix: str) -> dict[str
         "admission": {"lease_ttl_s": LEASE_TTL_S},
         "auth": {"mode": "none", "anonymous_tenant": "team"},
         "tenants": [{"name": "team", "max_concurrent": 4, "tokens_per_minute": 100_000}],
-        "state": {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix},
+        "state": {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix,
+                  "timeout_s": 2.0},
     }
 
 
-async def held_after_sigkill(
-    pool: str, stub_factory: Any, redis_url: str, key_prefix: str, tmp_path: Path
+async def lease_expires_after_sigkill(
+    which: str, stub_factory: Any, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
-    """Open a stream through a kvgate subprocess, hold it past the TTL (the lease in `pool`
-    must be renewed), SIGKILL kvgate, and wait for the lease to expire."""
+    """Open a stream through a kvgate subprocess, hold it past the TTL (its lease in `which`
+    pool must be renewed meanwhile), SIGKILL kvgate, and wait for the lease to expire."""
     stub = await stub_factory(chunks=5, gate=asyncio.Event())
-    ledger = f"ledger:{stub.url.removeprefix('http://')}"  # the replica id: host:port
-    pool = pool or ledger
+    pools = {
+        "ledger": f"ledger:{stub.url.removeprefix('http://')}",  # the replica id: host:port
+        "concurrency": concurrency_pool("team"),
+    }
+    pool = pools[which]
     store = RedisStore(redis_url, key_prefix=key_prefix)
     try:
         async with (
@@ -112,16 +118,12 @@ async def held_after_sigkill(
 async def test_a_killed_instances_ledger_leases_expire(
     stub_factory, redis_url, key_prefix, tmp_path
 ):
-    await held_after_sigkill("", stub_factory, redis_url, key_prefix, tmp_path)
+    await lease_expires_after_sigkill("ledger", stub_factory, redis_url, key_prefix, tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvgate/app.py builds Budgets(store, metrics) without the LeaseKeeper, so tenant "
-    "concurrency leases last CONCURRENCY_TTL_S (30 s), unrenewed; passes once it builds "
-    "Budgets(store, metrics, keeper)",
-)
 async def test_a_killed_instances_tenant_concurrency_lease_expires(
     stub_factory, redis_url, key_prefix, tmp_path
 ):
-    await held_after_sigkill(concurrency_pool("team"), stub_factory, redis_url, key_prefix, tmp_path)
+    await lease_expires_after_sigkill(
+        "concurrency", stub_factory, redis_url, key_prefix, tmp_path
+    )

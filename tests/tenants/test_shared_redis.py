@@ -49,7 +49,9 @@ async def test_two_instances_on_one_redis_enforce_one_tokens_per_minute_limit(
         [stub.url],
         auth={"mode": "none", "anonymous_tenant": "team"},
         tenants=[{"name": "team", "tokens_per_minute": TOKENS_PER_MINUTE}],
-        state={"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix},
+        # a loaded CI machine may be slow; a silent fallback to local limits would void the test
+        state={"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix,
+               "timeout_s": 2.0, "failure_mode": "fail_closed"},
     )
     instances = [await gateway_factory(config), await gateway_factory(config)]
     served: dict[str, list[int]] = {gw.url: [] for gw in instances}
