@@ -58,7 +58,9 @@ def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None
     else:
         _check_prompt(body.get("prompt"))
 
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # as vLLM: null means the default
+        stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
     options = body.get("stream_options")

@@ -248,8 +248,8 @@ class Calibration:
     """A per-model correction factor: actual prompt tokens (from vLLM's usage) ÷ kvgate's estimate.
 
     An exponentially weighted mean of the observed ratios, clamped to [low, high] so one odd
-    response cannot make kvgate under-reserve by much. `apply` rounds up: reservation errs on
-    the side of more blocks.
+    response cannot move it far. `apply` only ever raises an estimate (a ratio below 1 is
+    exported, not applied) and rounds up: reservation errs on the side of more blocks.
     """
 
     def __init__(self, low: float = 0.8, high: float = 1.5, weight: float = 0.05) -> None:

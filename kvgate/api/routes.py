@@ -152,9 +152,14 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "reserved_blocks": gateway.admission.reserved.get(replica.id, 0),
             "written_blocks": replica.written_blocks(),
             "inflight": len(replica.inflight),
+            "shared_prefix_blocks": gateway.admission.prefixes.held_blocks(replica.id),
             "vllm": None if scrape is None else {
                 "kv_usage": scrape.kv_usage, "running": scrape.running,
                 "waiting": scrape.waiting, "preemptions": scrape.preemptions,
+                "prefix_cache_hit_rate": (
+                    scrape.prefix_hits / scrape.prefix_queries
+                    if scrape.prefix_queries and scrape.prefix_hits is not None else None
+                ),
                 "age_s": round(time.monotonic() - scrape.at, 3),
             },
         })

@@ -70,8 +70,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     _use_uvloop()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(app, config, load))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(app, config, load))
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        where = f"{config.server.host}:{config.server.port}"
+        print(f"kvgate: cannot listen on {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
