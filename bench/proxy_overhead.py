@@ -238,11 +238,16 @@ async def run_slice(
                     tally.errors += 1
 
     clients = [asyncio.ensure_future(client(k)) for k in range(concurrency)]
-    await asyncio.sleep(max(0.0, start_at - clock()))
-    before, t0 = cpu(), clock()
-    await asyncio.sleep(max(0.0, stop_at - clock()))
-    after, t1 = cpu(), clock()
-    await asyncio.wait_for(asyncio.gather(*clients), REQUEST_TIMEOUT_S + 5)
+    try:
+        await asyncio.sleep(max(0.0, start_at - clock()))
+        before, t0 = cpu(), clock()
+        await asyncio.sleep(max(0.0, stop_at - clock()))
+        after, t1 = cpu(), clock()
+        await asyncio.wait_for(asyncio.gather(*clients), REQUEST_TIMEOUT_S + 5)
+    finally:  # cancelled (SIGTERM) or timed out: no client outlives its session
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
     tally.seconds += t1 - t0
     for name, seconds in after.items():
         tally.cpu[name] = tally.cpu.get(name, 0.0) + seconds - before[name]
@@ -345,6 +350,10 @@ def render(cells: list[Cell], args: argparse.Namespace) -> str:
 
 
 async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
+    this = asyncio.current_task()
+    assert this is not None
+    # SIGTERM cancels the run, so `finally` in main stops the children.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this.cancel)
     urls = await start_servers(children)
     pids = {name: proc.pid for name, proc in children.procs.items()}
 
@@ -370,7 +379,6 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.md"))
     args = parser.parse_args()
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the children
     run: Callable[..., list[Cell]] = asyncio.run
     with contextlib.suppress(ImportError):
         import uvloop
@@ -380,6 +388,8 @@ def main() -> int:
         children = Children(Path(logs))
         try:
             cells = run(measure(args, children))
+        except asyncio.CancelledError:  # SIGTERM
+            return 143
         finally:
             children.stop()
     text = render(cells, args)

@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -225,7 +225,7 @@ class Admission:
     ) -> Slot | None:
         """Reserve on one replica: the request's own blocks, plus (first of its prefix here)
         the shared prefix's blocks as a lease of their own."""
-        key, lease_id = ledger_key(replica), uuid.uuid4().hex
+        key, lease_id = ledger_key(replica), os.urandom(12).hex()
         blocks = demand.blocks_on(replica)
         prefix_blocks = demand.prefix_blocks_on(replica)
         shared = None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -221,5 +221,5 @@ REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)
 
 def new_request_info(request: web.Request) -> RequestInfo:
     given = request.headers.get("X-Request-Id", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else os.urandom(16).hex()
     return RequestInfo(request_id=request_id, started=time.monotonic())

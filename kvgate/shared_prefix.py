@@ -13,7 +13,7 @@ blocks only, minus one for chat-template differences at the boundary.
 
 from __future__ import annotations
 
-import uuid
+import os
 from dataclasses import dataclass, field
 
 
@@ -22,7 +22,7 @@ class SharedPrefix:
     replica_id: str
     key: str
     blocks: int
-    lease_id: str = field(default_factory=lambda: f"prefix-{uuid.uuid4().hex}")
+    lease_id: str = field(default_factory=lambda: f"prefix-{os.urandom(12).hex()}")
     refs: int = 0
     live: bool = False  # its lease has been granted
 

@@ -17,7 +17,7 @@ import hmac
 import ipaddress
 import logging
 import math
-import uuid
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -219,7 +219,7 @@ class Budgets:
             finally:
                 gauge.dec()
             return
-        pool, lease = f"concurrency:{tenant.name}", uuid.uuid4().hex
+        pool, lease = f"concurrency:{tenant.name}", os.urandom(12).hex()
         keeper = self.keeper
         ttl_s = keeper.ttl_s if keeper is not None else CONCURRENCY_TTL_S
 

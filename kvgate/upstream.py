@@ -206,37 +206,43 @@ class Relay:
         await response.prepare(request)
         buffer = b""
         idle = self.timeouts.idle_s
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                budget = min(idle, deadline - time.monotonic())
-                if budget <= 0:
-                    raise UpstreamTimeout(f"replica {replica.id} exceeded the total time limit")
-                try:
-                    async with asyncio.timeout(budget):
-                        chunk = await upstream.content.readany()
-                except TimeoutError:
-                    raise UpstreamTimeout(
-                        f"replica {replica.id} sent nothing for {budget:.3g}s mid-stream"
-                    ) from None
-                if not chunk:
-                    break
-                buffer += chunk.replace(b"\r\n", b"\n")
-                *events, buffer = buffer.split(b"\n\n")
-                out = self._filter(events, outcome, client_wants_usage)
-                if out:
-                    await self._write(response, out, outcome)
+            # One timeout for the whole stream, moved rather than re-created per chunk: while
+            # reading, the idle gap or the total deadline, whichever is first; while writing to
+            # the client (which may apply backpressure), the total deadline only.
+            until_deadline = deadline - time.monotonic()
+            async with asyncio.timeout(None) as limit:
+                while True:
+                    limit.reschedule(loop.time() + min(idle, until_deadline))
+                    chunk = await upstream.content.readany()
+                    until_deadline = deadline - time.monotonic()
+                    limit.reschedule(loop.time() + until_deadline)
+                    if not chunk:
+                        break
+                    buffer += chunk.replace(b"\r\n", b"\n")
+                    *events, buffer = buffer.split(b"\n\n")
+                    out = self._filter(events, outcome, client_wants_usage)
+                    if out:
+                        await self._write(response, out, outcome)
             if buffer.strip():
                 out = self._filter([buffer], outcome, client_wants_usage)
                 if out:
                     await self._write(response, out, outcome)
-        except (aiohttp.ClientError, UpstreamTimeout) as exc:
+        except TimeoutError:
+            outcome.upstream_failed = True
+            await self._send_error(response, UpstreamTimeout(
+                f"replica {replica.id} sent nothing for {idle:g}s mid-stream"
+                if time.monotonic() < deadline
+                else f"replica {replica.id} exceeded the total time limit"
+            ))
+        except aiohttp.ClientError as exc:
             if outcome.client_disconnected:
                 return response
             outcome.upstream_failed = True
-            error = exc if isinstance(exc, KvgateError) else UpstreamError(
+            await self._send_error(response, UpstreamError(
                 f"replica {replica.id} broke the stream: {exc or type(exc).__name__}"
-            )
-            await self._write_quietly(response, b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            ))
         except ConnectionResetError:
             outcome.client_disconnected = True
             return response
@@ -281,9 +287,10 @@ class Relay:
             raise
 
     @staticmethod
-    async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    async def _send_error(response: web.StreamResponse, error: KvgateError) -> None:
+        """The stream has started: the error goes as a last SSE event, then the stream ends."""
         with contextlib.suppress(ConnectionResetError):
-            await response.write(data)
+            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
 
     @staticmethod
     async def _close_quietly(response: web.StreamResponse) -> None:

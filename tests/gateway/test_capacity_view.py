@@ -80,27 +80,29 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
     (kv_replica,) = gw.gateway.registry
     body = {"model": "sim-model", "stream": True, "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": "tell me a long story " * 20}]}
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{gw.url}/v1/chat/completions", json=body) as response:
-            await response.content.readuntil(b"\n\n")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{gw.url}/v1/chat/completions", json=body) as response,
+    ):
+        await response.content.readuntil(b"\n\n")
 
-            async def all_three_lines() -> bool:
-                s = await scrape(gw.url)
-                return bool(
-                    (value(s, "kvgate_replica_blocks_reserved", replica=kv_replica.id) or 0) > 0
-                    and (value(s, "kvgate_replica_blocks_written", replica=kv_replica.id) or 0) > 0
-                    and (value(s, "kvgate_replica_vllm_kv_usage_ratio", replica=kv_replica.id) or 0) > 0
-                )
+        async def all_three_lines() -> bool:
+            s = await scrape(gw.url)
+            return bool(
+                (value(s, "kvgate_replica_blocks_reserved", replica=kv_replica.id) or 0) > 0
+                and (value(s, "kvgate_replica_blocks_written", replica=kv_replica.id) or 0) > 0
+                and (value(s, "kvgate_replica_vllm_kv_usage_ratio", replica=kv_replica.id) or 0) > 0
+            )
 
-            await until(all_three_lines)
-            samples = await scrape(gw.url)
-            reserved = value(samples, "kvgate_replica_blocks_reserved", replica=kv_replica.id)
-            written = value(samples, "kvgate_replica_blocks_written", replica=kv_replica.id)
-            assert reserved is not None and written is not None
-            assert written < reserved  # the worst case is reserved up front, written grows
-            headroom = value(samples, "kvgate_replica_headroom_requests", replica=kv_replica.id)
-            assert headroom is not None and headroom >= 1
-            await response.read()
+        await until(all_three_lines)
+        samples = await scrape(gw.url)
+        reserved = value(samples, "kvgate_replica_blocks_reserved", replica=kv_replica.id)
+        written = value(samples, "kvgate_replica_blocks_written", replica=kv_replica.id)
+        assert reserved is not None and written is not None
+        assert written < reserved  # the worst case is reserved up front, written grows
+        headroom = value(samples, "kvgate_replica_headroom_requests", replica=kv_replica.id)
+        assert headroom is not None and headroom >= 1
+        await response.read()
 
     async def drained() -> bool:
         s = await scrape(gw.url)
