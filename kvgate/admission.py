@@ -114,8 +114,12 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             for pool, leases in list(self._live.items()):
-                with contextlib.suppress(Exception):  # next round retries; expiry is the bound
+                try:
                     await self.store.renew(pool, list(leases), self.ttl_s)
+                except (StateStoreError, KvgateError) as exc:
+                    # The next round retries; if the store stays away, the leases expire and
+                    # other instances may admit onto this capacity: say so.
+                    log.warning("could not renew %d leases on %s: %s", len(leases), pool, exc)
 
 
 @dataclass(slots=True)

@@ -171,11 +171,15 @@ def summarize(results: list[Result]) -> Summary:
         else:
             summary.failed += 1
     summary.refused = dict(refused)
-    for kind in ("short", "long"):
-        ttfts = sorted(r.ttft_s for r in results if r.kind == kind and r.ttft_s is not None)
+    groups: dict[str, list[Result]] = {"short": [], "long": []}
+    for r in results:
+        groups[r.kind].append(r)
+        groups.setdefault(f"tenant {r.tenant}", []).append(r)
+    for kind, members in groups.items():
+        ttfts = sorted(r.ttft_s for r in members if r.ttft_s is not None)
         summary.ttft[kind] = {"p50": percentile(ttfts, 0.50), "p99": percentile(ttfts, 0.99),
                               "n": len(ttfts)}
-        e2es = sorted(r.e2e_s for r in results if r.kind == kind and r.e2e_s is not None)
+        e2es = sorted(r.e2e_s for r in members if r.e2e_s is not None)
         summary.e2e[kind] = {"p50": percentile(e2es, 0.50), "p99": percentile(e2es, 0.99),
                              "n": len(e2es)}
     return summary

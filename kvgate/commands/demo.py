@@ -221,6 +221,10 @@ def render(report: dict[str, Any]) -> str:
             row(f"TTFT {kind} {q} (s)", rr["ttft_s"][kind][q], kv["ttft_s"][kind][q])
         for q in ("p50", "p99"):
             row(f"end to end {kind} {q} (s)", rr["e2e_s"][kind][q], kv["e2e_s"][kind][q])
+    for tenant in ("vip", "chat-app", "batch"):  # vip is critical, batch sheddable
+        key = f"tenant {tenant}"
+        if key in kv["ttft_s"]:
+            row(f"TTFT {tenant} p50 (s)", rr["ttft_s"][key]["p50"], kv["ttft_s"][key]["p50"])
     for name in rr["replicas"]:
         row(f"{name} preemptions", rr["replicas"][name]["preemptions"],
             kv["replicas"][name]["preemptions"])
