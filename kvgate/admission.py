@@ -161,6 +161,11 @@ class Admission:
     ) -> AsyncIterator[Slot]:
         """Reserve the demand's worst case on one of `candidates` (in preference order)."""
         config = self.config()
+        if not config.enabled:  # a plain proxy: the first candidate, nothing reserved
+            if not candidates:
+                raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
+            yield Slot(candidates[0], "", 0, 0.0, released=True)
+            return
         self._check_can_ever_fit(demand, candidates, config)
         pool = self._pool(demand.pool)
         pool.worst_cases.append(max(demand.blocks_on(r) for r in candidates))

@@ -128,7 +128,7 @@ class QueueConfig(_Model):
 
 
 class AdmissionConfig(_Model):
-    enabled: bool = True
+    enabled: bool = True  # False: forward at once, reserve nothing
     # Admit while reserved + worst case ≤ target_utilization × num_gpu_blocks.
     target_utilization: float = Field(0.9, gt=0, le=1)
     # Hold admission to a replica whose scraped vllm:num_requests_waiting exceeds this.

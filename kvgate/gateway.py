@@ -20,7 +20,7 @@ from aiohttp import web
 
 from kvgate.admission import Admission, Demand, Slot
 from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
-from kvgate.config import Config
+from kvgate.config import Config, TenantConfig
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
 from kvgate.replicas import Registry, Replica
@@ -29,7 +29,7 @@ from kvgate.routing.policies import LeastLoaded, RoutingPolicy
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Charge, Directory, check_access
-from kvgate.tokens import Calibration
+from kvgate.tokens import Calibration, PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
 
 SESSION_HEADER = "X-Kvgate-Session"
@@ -70,43 +70,49 @@ class Gateway:
     policy: RoutingPolicy = field(default_factory=LeastLoaded)
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        rt = self.runtime
+        rt = self.runtime  # this request's config, whatever a reload does meanwhile
         info: RequestInfo = request[REQUEST_INFO]
-        parsed = parse_body(
-            await read_body(request, rt.config.server.max_body_bytes),
-            endpoint,
-            request.headers.get(SESSION_HEADER),
-        )
+
+        # parse & validate, identify the tenant
+        raw = await read_body(request, rt.config.server.max_body_bytes)
+        parsed = parse_body(raw, endpoint, request.headers.get(SESSION_HEADER))
         info.model = parsed.model
         tenant = rt.directory.identify(request.headers, request.remote)
         info.tenant = tenant.name
         check_access(tenant, parsed.model)
         self.require_model(rt, parsed.model)
+
+        # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
-        estimate = count.tokens
-        prompt_tokens = self.calibration.apply(parsed.model, estimate)
+        prompt_tokens = self.calibration.apply(parsed.model, count.tokens)
         model = rt.config.model(parsed.model)
         sized = bound_worst_case(parsed, prompt_tokens, model, tenant, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
-        pool, candidates = self.candidates(rt, first_pool, parsed.model)
-        info.pool = pool
+        info.pool, candidates = self.candidates(rt, first_pool, parsed.model)
         bound = bound_worst_case(
             parsed, prompt_tokens, model, tenant,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
-        demand = Demand(
-            pool, parsed.model, bound.worst_tokens, tenant.name, tenant.priority,
-            prefix_key=f"{parsed.model}:{count.prefix_key.hex()}" if count.prefix_key else None,
-            # never credit more than kvgate may have over-estimated
-            prefix_tokens=int(count.prefix_tokens * min(1.0, self.calibration.ratio(parsed.model))),
-        )
+        demand = self.demand(info.pool, parsed.model, tenant, bound, count)
+
+        # charge the tenant, admit on a replica's ledger, forward; settle on every ending
         outcome = Outcome()
         async with self.budgets.charge(tenant, bound.worst_tokens) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
                     return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
-                await self.settle(charge, parsed, estimate, bound, outcome)
+                await self.settle(charge, parsed, count.tokens, bound, outcome)
+
+    def demand(
+        self, pool: str, model: str, tenant: TenantConfig, bound: Bound, count: PromptCount
+    ) -> Demand:
+        return Demand(
+            pool, model, bound.worst_tokens, tenant.name, tenant.priority,
+            prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
+            # never credit more shared blocks than kvgate may have over-estimated
+            prefix_tokens=int(count.prefix_tokens * min(1.0, self.calibration.ratio(model))),
+        )
 
     async def forward(
         self,

@@ -130,3 +130,14 @@ async def test_short_requests_are_not_starved_by_long_ones_behind_a_long_pool(
         )
     assert pools[:3] == ["long"] * 3 and pools[3:] == ["default"] * 6
     assert normal.engine.stats.num_preemptions == 0
+
+
+async def test_with_admission_disabled_the_same_overload_preempts_through_kvgate(
+    sim_factory, gateway_factory
+):
+    """The control for the test above: it is the ledger that prevents preemption."""
+    replica = await sim_factory(**SIM)
+    gw = await gateway_factory(gateway_config([replica.url], admission={"enabled": False}))
+    results = await fire(gw.url, N_REQUESTS, stream=True)
+    assert [s for s, _ in results] == [200] * N_REQUESTS
+    assert replica.engine.stats.num_preemptions > 0
