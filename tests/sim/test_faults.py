@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -12,21 +11,9 @@ import pytest
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import eventually
+from tests.sim.helpers import FAST, eventually
 
-FAST = {"time_scale": 0.001, "num_gpu_blocks": 256, "max_model_len": 1024}
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-
-
-@pytest.fixture
-async def replica(sim_factory: SimFactory) -> SimReplica:
-    return await sim_factory(**FAST)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def post_chat(http: aiohttp.ClientSession, replica: SimReplica, **extra: Any) -> int:

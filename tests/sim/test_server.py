@@ -12,23 +12,12 @@ import pytest
 
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
+from tests.sim.helpers import FAST
 
-FAST = {"time_scale": 0.001, "num_gpu_blocks": 256, "max_model_len": 1024}
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are a terse assistant. " * 8},
     {"role": "user", "content": "Say something."},
 ]
-
-
-@pytest.fixture
-async def replica(sim_factory: SimFactory) -> SimReplica:
-    return await sim_factory(**FAST)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture
