@@ -243,10 +243,15 @@ class Admission:
             if shared is None:
                 shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
                 own_later = blocks - prefix_blocks
-                if not await self._acquire(key, shared.lease_id, prefix_blocks, limit - own_later, ttl):
-                    self.prefixes.drop(shared)
+                try:
+                    shared.live = await self._acquire(
+                        key, shared.lease_id, prefix_blocks, limit - own_later, ttl
+                    )
+                finally:
+                    if not shared.live:
+                        self.prefixes.drop(shared)  # refused, failed or cancelled
+                if not shared.live:
                     return None
-                shared.live = True
                 self.keeper.add(key, shared.lease_id)
                 self._count(replica.id, prefix_blocks)
             elif shared.live:
@@ -254,7 +259,13 @@ class Admission:
             else:
                 shared = None  # being acquired by another request: no credit yet
         own = blocks - (shared.blocks if shared else 0)
-        if not await self._acquire(key, lease_id, own, limit, ttl):
+        try:
+            granted = await self._acquire(key, lease_id, own, limit, ttl)
+        except BaseException:  # store failure or cancellation: the prefix is not ours to keep
+            if shared is not None:
+                await self._unshare(shared)
+            raise
+        if not granted:
             if shared is not None:
                 await self._unshare(shared)
             return None

@@ -13,6 +13,7 @@ from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.metrics import Metrics
 from kvgate.replicas import Replica, Scrape
+from kvgate.state.base import StateStoreError
 from kvgate.state.memory import MemoryStore
 
 
@@ -268,3 +269,42 @@ async def _until(condition, timeout_s: float = 5.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+def prefixed(tokens: int, prefix_tokens: int, tenant: str = "t") -> Demand:
+    return Demand("p", "m", tokens, tenant, "standard", prefix_key="sys", prefix_tokens=prefix_tokens)
+
+
+async def test_a_shared_prefix_is_reserved_once_per_replica_and_released_with_its_last_user(harness):
+    r = replica("a", blocks=100)
+    # 20 blocks of prompt+answer, of which a 10-block system prompt: credit 10 - 1 = 9 blocks
+    async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]) as first:
+        assert (first.blocks, first.shared.blocks) == (11, 9)
+        assert await harness.held(r) == 20
+        async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]) as second:
+            assert second.shared is first.shared and second.blocks == 11
+            assert await harness.held(r) == 31  # not 40: the prefix is held once
+        assert await harness.held(r) == 20  # the first user still holds the prefix
+    assert await harness.held(r) == 0
+    assert len(harness.admission.prefixes) == 0
+
+
+async def test_a_store_failure_after_the_prefix_lease_does_not_leak_it(harness):
+    r = replica("a", blocks=100)
+    calls = 0
+    real = harness.store.try_acquire
+
+    async def failing_second_call(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise StateStoreError("redis went away")
+        return await real(*args, **kwargs)
+
+    harness.store.try_acquire = failing_second_call
+    with pytest.raises(StateStoreError):
+        async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]):
+            pass
+    assert await harness.held(r) == 0
+    assert len(harness.admission.prefixes) == 0
+    assert not harness.admission.keeper._live
