@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import signal
 import sys
 from typing import Any
@@ -35,12 +36,20 @@ FLEET: dict[str, dict[str, Any]] = {
 }
 # Answers use 60-100% of max_tokens: near the worst case, where overload makes vLLM preempt.
 OUTPUT_LEN_DIST, OUTPUT_LEN_MIN_FRACTION = "uniform", 0.6
-TENANTS = [
+# A tenant's API key is its name ("demo" for the anonymous tenant); the workload driver names
+# its tenant in the X-Tenant-Id header instead, which kvgate trusts from 127.0.0.1.
+TENANTS: list[dict[str, Any]] = [
     {"name": "vip", "priority": "critical"},
     {"name": "chat-app", "priority": "standard", "tokens_per_minute": 3_000_000},
     {"name": "batch", "priority": "sheddable", "max_concurrent": 16},
     {"name": "anonymous", "priority": "standard"},
 ]
+DEMO_KEYS = {"anonymous": "demo"}
+
+
+def _with_keys(tenant: dict[str, Any]) -> dict[str, Any]:
+    key = DEMO_KEYS.get(tenant["name"], tenant["name"])
+    return {**tenant, "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +151,7 @@ def gateway_config(fleet: dict[str, SimReplica], port: int) -> Config:
         "admission": {"queue": {"max_wait_s": 20, "max_depth": 1024}},
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32", "::1/128"]},
-        "tenants": TENANTS,
+        "tenants": [_with_keys(t) for t in TENANTS],
     })
 
 
@@ -188,7 +197,7 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
           f"max_model_len {r.config.max_model_len}" for name, r in fleet.items()),
         "",
         "Point an OpenAI client at it:",
-        f'  client = openai.OpenAI(base_url="{url}/v1", api_key="unused")',
+        f'  client = openai.OpenAI(base_url="{url}/v1", api_key="demo")',
         '  client.chat.completions.create(model="sim-model", messages=[{"role": "user", '
         '"content": "hi"}])',
         "",
@@ -196,7 +205,8 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
         f"  {url}/metrics          kvgate's metrics (kvgate_replica_blocks_reserved, ...)",
         f"  {url}/admin/replicas   each replica: blocks total / reserved / written, vLLM's view",
         f"  {fleet['normal-a'].url}/metrics   a replica's own vLLM metrics",
-        "Tenants by header (X-Tenant-Id: vip | chat-app | batch); Ctrl-C to stop.",
+        "Tenants: api_key \"vip\" (critical), \"chat-app\", \"batch\" (sheddable), \"demo\" "
+        "(anonymous); or X-Tenant-Id from 127.0.0.1. Ctrl-C to stop.",
     ]
     return "\n".join(lines)
 
