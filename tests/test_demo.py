@@ -24,3 +24,26 @@ def test_demo_workload_runs_both_ways_and_kvgate_never_preempts(capsys):
     assert sum(r["preemptions"] for r in gated["replicas"].values()) == 0
     # A shared system prompt gives the chat replicas most of their prompt tokens from cache.
     assert gated["replicas"]["normal-a"]["prefix_hit_rate"] > 0.5
+
+
+async def test_the_readme_snippet_works_against_the_demo_fleet():
+    """What the demo's banner tells a new user to run, with its api_key, completes."""
+    import openai
+
+    from kvgate.commands import demo
+    from kvgate.tokens import load_tiktoken
+
+    fleet = await demo.start_fleet(load_tiktoken(), time_scale=0.01)
+    runner, url = await demo.start_gateway(demo.gateway_config(fleet, 0))
+    try:
+        assert 'api_key="demo"' in demo.banner(url, fleet)
+        for key in ("demo", "vip"):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            reply = await client.chat.completions.create(
+                model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert reply.choices[0].message.content
+            await client.close()
+    finally:
+        await runner.cleanup()
+        await demo.stop_fleet(fleet)
