@@ -168,6 +168,7 @@ def _store_gauges(gateway: Gateway) -> None:
         (m.store_errors, "errors"),
         (m.store_fallback_calls, "fallback_calls"),
         (m.store_outage_seconds, "outage_seconds"),
+        (m.store_reconciled_units, "reconciled_units"),
     ):
         value = getattr(store, attribute, None)
         if isinstance(value, int | float):

@@ -134,6 +134,11 @@ class Metrics:
             "kvgate_state_store_outage_seconds", "Time spent with the store down (cumulative).",
             ["backend"], registry=r,
         )
+        self.store_reconciled_units = Gauge(
+            "kvgate_state_store_reconciled_units", "Budget units used locally during outages "
+            "and charged to the shared store when it returned (cumulative).", ["backend"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "kvgate_config_reloads", "SIGHUP reloads, by result (ok, refused).", ["result"],
             registry=r,

@@ -13,6 +13,11 @@ the primary is down, calls go straight to the failure mode; a background probe p
 every `probe_interval_s` and switches back when it answers, so a dead Redis is not hit (and waited
 on) by every request.
 
+Reconciling (fail_open): what the fallback's token buckets let through during an outage is
+charged to the shared buckets when the primary answers again (a forced take, at most one
+bucket's capacity each: older use would have refilled by now), so an outage does not hand out
+a second budget.
+
 Leases taken in the fallback stay there until released: `release` / `renew` / re-acquire of such a
 lease go to the fallback even after the primary is back, and while they live their units count
 against the primary's limit for the same pool (`held` adds them), so this instance does not
@@ -65,6 +70,10 @@ class ResilientStore:
         self._fallback_calls_at_outage = 0
         self._probe: asyncio.Task[None] | None = None
         self._fallback_leases: dict[str, set[str]] = {}  # pool -> lease ids held by the fallback
+        # bucket -> (units the fallback let through and did not get back, its limit)
+        self._unreconciled: dict[str, tuple[int, BucketLimit]] = {}
+        self._reconciling: asyncio.Task[None] | None = None
+        self.reconciled_units = 0
 
     @property
     def outage_seconds(self) -> float:
@@ -144,16 +153,49 @@ class ResilientStore:
     async def take(
         self, bucket: str, amount: int, limit: BucketLimit, *, force: bool = False
     ) -> BucketState:
+        async def in_fallback() -> BucketState:
+            state = await self._fallback.take(bucket, amount, limit, force=force)
+            if state.allowed:
+                self._note_local_use(bucket, amount, limit)
+            return state
+
         return await self._call(
-            lambda: self._primary.take(bucket, amount, limit, force=force),
-            lambda: self._fallback.take(bucket, amount, limit, force=force),
+            lambda: self._primary.take(bucket, amount, limit, force=force), in_fallback
         )
 
     async def put_back(self, bucket: str, amount: int, limit: BucketLimit) -> BucketState:
+        async def in_fallback() -> BucketState:
+            self._note_local_use(bucket, -amount, limit)
+            return await self._fallback.put_back(bucket, amount, limit)
+
         return await self._call(
-            lambda: self._primary.put_back(bucket, amount, limit),
-            lambda: self._fallback.put_back(bucket, amount, limit),
+            lambda: self._primary.put_back(bucket, amount, limit), in_fallback
         )
+
+    def _note_local_use(self, bucket: str, amount: int, limit: BucketLimit) -> None:
+        used, _ = self._unreconciled.get(bucket, (0, limit))
+        self._unreconciled[bucket] = (max(0, used + amount), limit)
+
+    async def _reconcile(self) -> None:
+        """Charge the shared buckets with what the fallback let through during the outage."""
+        pending, self._unreconciled = self._unreconciled, {}
+        charged = 0
+        for bucket, (used, limit) in pending.items():
+            units = min(used, limit.capacity)
+            if units <= 0:
+                continue
+            try:
+                await self._primary.take(bucket, units, limit, force=True)
+            except StateStoreError:
+                self._note_local_use(bucket, used, limit)  # next recovery tries again
+                continue
+            charged += units
+        self.reconciled_units += charged
+        if charged:
+            self._log.warning(
+                "state store (%s): charged %d units used locally during the outage to the "
+                "shared buckets", self.backend, charged,
+            )
 
     async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
         return await self._call(
@@ -194,6 +236,9 @@ class ResilientStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
             self._probe = None
+        if self._reconciling is not None:
+            with contextlib.suppress(asyncio.CancelledError, StateStoreError):
+                await self._reconciling
         await self._primary.close()
         await self._fallback.close()
 
@@ -250,6 +295,8 @@ class ResilientStore:
             duration,
             self.fallback_calls - self._fallback_calls_at_outage,
         )
+        if self._unreconciled and (self._reconciling is None or self._reconciling.done()):
+            self._reconciling = asyncio.get_running_loop().create_task(self._reconcile())
 
     async def _probe_until_up(self) -> None:
         while not self.up:
