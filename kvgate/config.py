@@ -337,15 +337,7 @@ def parse_config(tree: Any, env: Mapping[str, str] | None = None) -> Config:
 
 
 def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([f"{path}: {exc.strerror or exc}"]) from None
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
-    return parse_config(tree, env)
+    return parse_config(read_tree(path), env)
 
 
 def quick_config(

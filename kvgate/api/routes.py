@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, ServerError
+from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
 from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
 from kvgate.requests import Endpoint
 
@@ -86,8 +86,6 @@ def _from_http(exc: web.HTTPException) -> KvgateError | None:
             headers={"Allow": allowed} if allowed else None,
         )
     if exc.status == 413:
-        from kvgate.errors import PayloadTooLarge
-
         return PayloadTooLarge("request body is too large")
     return None
 
