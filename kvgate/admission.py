@@ -8,8 +8,9 @@ on any replica of its pool even when empty gets 400 at once.
 
 Each reservation is a lease (`ledger:<replica>`) that `LeaseKeeper` renews while the request
 runs; if this instance dies, its leases expire and the capacity returns. `Admission.admit` is
-an async context manager: leaving it — completion, error, disconnect, cancellation — releases
-the lease exactly once.
+an async context manager: leaving it — completion, error, disconnect, cancellation, even a
+second cancellation arriving during the release — releases the lease and the request's share
+of its prefix exactly once (`kvgate.protect.finish`).
 
 Head-of-line order: a queued request that does not fit yet blocks those behind it in the same
 pool (as vLLM's own waiting queue does), so large requests are never starved by small ones.
@@ -29,7 +30,9 @@ from dataclasses import dataclass, field
 
 from kvgate.config import AdmissionConfig
 from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
+from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
+from kvgate.protect import acquire, finish
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
 from kvgate.shared_prefix import SharedPrefix, SharedPrefixes, credit_blocks
@@ -57,6 +60,9 @@ class Demand:
     priority: str
     prefix_key: str | None = None  # identifies the prompt's shareable prefix
     prefix_tokens: int = 0
+    # The longest the request may hold its reservation (its total timeout): a lease held
+    # longer was leaked, and the keeper drops it.
+    max_hold_s: float | None = None
 
     def blocks_on(self, replica: Replica) -> int:
         return math.ceil(self.worst_tokens / (replica.block_size or 16))
@@ -78,9 +84,10 @@ class Slot:
     replica: Replica
     lease_id: str
     blocks: int  # reserved for this request alone
-    queued_s: float
+    queued_s: float = 0.0
     shared: SharedPrefix | None = None  # the prefix blocks it shares with others
     released: bool = False
+    queued: bool = False  # it waited in the queue (was not admitted on arrival)
 
     @property
     def worst_case_blocks(self) -> int:
@@ -90,36 +97,6 @@ class Slot:
 def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
     total = replica.num_gpu_blocks
     return None if total is None else int(total * config.target_utilization)
-
-
-class LeaseKeeper:
-    """Renews the leases this instance holds, every ttl/3, until they are released."""
-
-    def __init__(self, store: StateStore, ttl_s: float) -> None:
-        self.store = store
-        self.ttl_s = ttl_s
-        self._live: dict[str, set[str]] = {}
-
-    def add(self, pool: str, lease_id: str) -> None:
-        self._live.setdefault(pool, set()).add(lease_id)
-
-    def discard(self, pool: str, lease_id: str) -> None:
-        leases = self._live.get(pool)
-        if leases is not None:
-            leases.discard(lease_id)
-            if not leases:
-                del self._live[pool]
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            for pool, leases in list(self._live.items()):
-                try:
-                    await self.store.renew(pool, list(leases), self.ttl_s)
-                except (StateStoreError, KvgateError) as exc:
-                    # The next round retries; if the store stays away, the leases expire and
-                    # other instances may admit onto this capacity: say so.
-                    log.warning("could not renew %d leases on %s: %s", len(leases), pool, exc)
 
 
 @dataclass(slots=True)
@@ -147,7 +124,6 @@ class Admission:
         self._pools: dict[str, _PoolQueue] = {}
         self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
         self.prefixes = SharedPrefixes()
-        self._background: set[asyncio.Future[int]] = set()
 
     def _pool(self, name: str) -> _PoolQueue:
         pool = self._pools.get(name)
@@ -164,7 +140,7 @@ class Admission:
         if not config.enabled:  # a plain proxy: the first candidate, nothing reserved
             if not candidates:
                 raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
-            yield Slot(candidates[0], "", 0, 0.0, released=True)
+            yield Slot(candidates[0], "", 0, released=True)
             return
         self._check_can_ever_fit(demand, candidates, config)
         pool = self._pool(demand.pool)
@@ -176,7 +152,7 @@ class Admission:
         if slot is None:
             slot = await self._wait(pool, demand, candidates, config, started)
         self.metrics.admissions.labels(
-            demand.pool, slot.replica.id, "yes" if slot.queued_s > 0 else "no"
+            demand.pool, slot.replica.id, "yes" if slot.queued else "no"
         ).inc()
         self.metrics.worst_case_blocks.labels(demand.pool).observe(slot.worst_case_blocks)
         try:
@@ -252,7 +228,7 @@ class Admission:
                         self.prefixes.drop(shared)  # refused, failed or cancelled
                 if not shared.live:
                     return None
-                self.keeper.add(key, shared.lease_id)
+                self.keeper.add(key, shared.lease_id)  # lives while requests share it
                 self._count(replica.id, prefix_blocks)
             elif shared.live:
                 shared.refs += 1
@@ -263,15 +239,19 @@ class Admission:
             granted = await self._acquire(key, lease_id, own, limit, ttl)
         except BaseException:  # store failure or cancellation: the prefix is not ours to keep
             if shared is not None:
-                await self._unshare(shared)
+                await finish(self._unshare(shared))
             raise
         if not granted:
             if shared is not None:
-                await self._unshare(shared)
+                await finish(self._unshare(shared))
             return None
-        self.keeper.add(key, lease_id)
+        slot = Slot(replica, lease_id, own, shared=shared)
         self._count(replica.id, own)
-        return Slot(replica, lease_id, own, 0.0, shared)
+        self.keeper.add(
+            key, lease_id, max_age_s=demand.max_hold_s,
+            on_stale=lambda: self._release(self._pool(demand.pool), slot),
+        )
+        return slot
 
     async def _unshare(self, shared: SharedPrefix) -> None:
         shared.refs -= 1
@@ -288,20 +268,13 @@ class Admission:
 
     async def _acquire(self, key: str, lease_id: str, blocks: int, limit: int, ttl: float) -> bool:
         """try_acquire that cannot leak: if we are cancelled while the store works, a lease it
-        grants anyway is released as soon as the answer arrives."""
-        task = asyncio.ensure_future(self.store.try_acquire(key, lease_id, blocks, limit, ttl))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._undo_acquire(t, key, lease_id))
-            raise
+        grants anyway is released before the cancellation goes on."""
 
-    def _undo_acquire(self, task: asyncio.Future[bool], key: str, lease_id: str) -> None:
-        if task.cancelled() or task.exception() is not None or not task.result():
-            return
-        undo = asyncio.ensure_future(self.store.release(key, lease_id))
-        self._background.add(undo)
-        undo.add_done_callback(self._background.discard)
+        async def undo(granted: bool) -> None:
+            if granted:
+                await self._release_lease(key, lease_id)
+
+        return await acquire(self.store.try_acquire(key, lease_id, blocks, limit, ttl), undo)
 
     async def _wait(
         self,
@@ -372,6 +345,7 @@ class Admission:
                 if slot is None:
                     break
                 pool.queue.serve(ticket)
+                slot.queued = True
                 if future.done():  # the waiter left while we were placing it
                     await self._release(pool, slot)
                 else:
@@ -385,9 +359,14 @@ class Admission:
         return list(self._pools)
 
     async def _release(self, pool: _PoolQueue, slot: Slot) -> None:
+        """Give back everything the slot holds — its lease, then its share of the prefix — as
+        one unit that no cancellation can cut short."""
         if slot.released:
             return
         slot.released = True  # mark first: release exactly once
+        await finish(self._give_back(pool, slot))
+
+    async def _give_back(self, pool: _PoolQueue, slot: Slot) -> None:
         key = ledger_key(slot.replica)
         self.keeper.discard(key, slot.lease_id)
         self._count(slot.replica.id, -slot.blocks)
@@ -401,7 +380,7 @@ class Admission:
 
     async def _release_lease(self, key: str, lease_id: str) -> None:
         try:
-            await asyncio.shield(self.store.release(key, lease_id))
+            await self.store.release(key, lease_id)
         except (StateStoreError, KvgateError) as exc:
             # The lease stops being renewed and expires within its TTL: capacity comes back.
             log.warning("could not release lease on %s (expires by TTL): %s", key, exc)

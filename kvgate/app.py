@@ -15,11 +15,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.admission import Admission, LeaseKeeper, admissible_blocks, ledger_key
+from kvgate.admission import Admission, admissible_blocks, ledger_key
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, secret
 from kvgate.gateway import Gateway, Runtime
+from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.replicas import Registry, discovery_loop
 from kvgate.state.base import StateStore
@@ -56,7 +57,10 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     registry = Registry()
     registry.sync({name: pool.replicas for name, pool in config.pools.items()})
     store = store if store is not None else build_store(config)
-    keeper = LeaseKeeper(store, config.admission.lease_ttl_s)
+    keeper = LeaseKeeper(
+        store, config.admission.lease_ttl_s,
+        on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc(),
+    )
     gateway_box: list[Gateway] = []
 
     def current() -> Config:

@@ -10,7 +10,6 @@ timeout, client disconnect, cancellation — releases it exactly once.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import time
@@ -93,11 +92,14 @@ class Gateway:
             parsed, prompt_tokens, model, tenant,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
-        demand = self.demand(info.pool, parsed.model, tenant, bound, count)
+        demand = self.demand(info.pool, parsed.model, tenant, bound, count, rt.config)
 
         # charge the tenant, admit on a replica's ledger, forward; settle on every ending
         outcome = Outcome()
-        async with self.budgets.charge(tenant, bound.worst_tokens) as charge:
+        max_hold_s = rt.config.timeouts.total_s + rt.config.admission.lease_ttl_s
+        async with self.budgets.charge(
+            tenant, bound.worst_tokens, max_hold_s + rt.config.admission.queue.max_wait_s
+        ) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
                     return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
@@ -105,13 +107,16 @@ class Gateway:
                 await self.settle(charge, parsed, count.tokens, bound, outcome)
 
     def demand(
-        self, pool: str, model: str, tenant: TenantConfig, bound: Bound, count: PromptCount
+        self, pool: str, model: str, tenant: TenantConfig, bound: Bound, count: PromptCount,
+        config: Config,
     ) -> Demand:
         return Demand(
             pool, model, bound.worst_tokens, tenant.name, tenant.priority,
             prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
             # never credit more shared blocks than kvgate may have over-estimated
             prefix_tokens=int(count.prefix_tokens * min(1.0, self.calibration.ratio(model))),
+            # the request runs at most total_s once forwarded; the lease TTL is the grace
+            max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
         )
 
     async def forward(
@@ -161,15 +166,11 @@ class Gateway:
         if outcome.usage is not None:
             ratio = self.calibration.observe(parsed.model, estimate, outcome.usage.prompt_tokens)
             self.metrics.calibration.labels(parsed.model).set(ratio)
-            await asyncio.shield(
-                self.budgets.settle(
-                    charge, outcome.usage.prompt_tokens, outcome.usage.completion_tokens
-                )
+            await self.budgets.settle(
+                charge, outcome.usage.prompt_tokens, outcome.usage.completion_tokens
             )
         elif outcome.streamed_tokens:
-            await asyncio.shield(
-                self.budgets.settle(charge, bound.prompt_tokens, outcome.streamed_tokens)
-            )
+            await self.budgets.settle(charge, bound.prompt_tokens, outcome.streamed_tokens)
 
     def observe(self, info: RequestInfo, bound: Bound, slot: Slot, outcome: Outcome) -> None:
         if outcome.first_token_at is not None:

@@ -79,6 +79,11 @@ class Metrics:
             "kvgate_replica_headroom_requests", "How many more requests of the pool's recent "
             "p95 worst case fit on the replica's ledger.", ["replica", "pool"], registry=r,
         )
+        self.leases_dropped = Counter(
+            "kvgate_leases_dropped", "Leases this instance held longer than their request may "
+            "run, logged and released as leaked, by kind (ledger, concurrency). Should stay 0.",
+            ["kind"], registry=r,
+        )
         self.healthy = Gauge(
             "kvgate_replica_healthy", "1 when the last discovery succeeded.", ["replica"],
             registry=r,

@@ -10,7 +10,6 @@ crashed instance's count comes back by itself.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -18,19 +17,18 @@ import ipaddress
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
-from kvgate.admission import LeaseKeeper
 from kvgate.config import AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, RateLimited, Unauthorized
+from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
+from kvgate.protect import acquire, finish
 from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 ANONYMOUS = TenantConfig(name="anonymous")
 CONCURRENCY_TTL_S = 30.0
@@ -125,12 +123,14 @@ class Budgets:
         self.store = store
         self.metrics = metrics
         self.keeper = keeper
-        self._background: set[asyncio.Future[object]] = set()
 
     @contextlib.asynccontextmanager
-    async def charge(self, tenant: TenantConfig, worst_tokens: int) -> AsyncIterator[Charge]:
+    async def charge(
+        self, tenant: TenantConfig, worst_tokens: int, max_hold_s: float | None = None
+    ) -> AsyncIterator[Charge]:
         """Charge one request and its worst case; on exit, refund whatever `settle` did not
-        account for (everything, if the request never ran)."""
+        account for (everything, if the request never ran). `max_hold_s`: the longest the
+        request may run; a concurrency lease held longer is dropped as leaked."""
         tpm, rpm = _limits(tenant)
         if tpm is not None and worst_tokens > tpm.capacity:
             raise BadRequest(
@@ -140,23 +140,29 @@ class Budgets:
             )
         charge = Charge(tenant, worst_tokens)
 
-        async def give_back(_: None) -> None:
+        async def give_back(_: None = None) -> None:
             async with _settling(charge):
                 await self._refund(charge, worst_tokens, tpm)
 
-        async with self._concurrency(tenant):
-            await self._undone_if_cancelled(self._take(charge, rpm, tpm), give_back)
+        async with self._concurrency(tenant, max_hold_s):
+            await acquire(self._take(charge, rpm, tpm), give_back)
             try:
                 yield charge
             finally:
                 if not charge.settled:
-                    async with _settling(charge):
-                        await self._refund(charge, worst_tokens, tpm)
+                    charge.settled = True
+                    await finish(give_back())
 
     async def settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
-        """Correct the charge to actual usage: refund the unused part or charge the excess."""
-        tpm, _ = _limits(charge.tenant)
+        """Correct the charge to actual usage: refund the unused part or charge the excess.
+        Runs to its end whatever cancellation arrives meanwhile."""
+        if charge.settled:
+            return
         charge.settled = True
+        await finish(self._settle(charge, prompt_tokens, completion_tokens))
+
+    async def _settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
+        tpm, _ = _limits(charge.tenant)
         name = charge.tenant.name
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt_tokens)
         self.metrics.tenant_tokens.labels(name, "completion").inc(completion_tokens)
@@ -209,7 +215,9 @@ class Budgets:
         charge.headers = rate_limit_headers(rpm, requests, tpm, tokens)
 
     @contextlib.asynccontextmanager
-    async def _concurrency(self, tenant: TenantConfig) -> AsyncIterator[None]:
+    async def _concurrency(
+        self, tenant: TenantConfig, max_hold_s: float | None
+    ) -> AsyncIterator[None]:
         gauge = self.metrics.tenant_concurrency.labels(tenant.name)
         limit = tenant.max_concurrent
         if limit is None:
@@ -222,27 +230,29 @@ class Budgets:
         pool, lease = f"concurrency:{tenant.name}", os.urandom(12).hex()
         keeper = self.keeper
         ttl_s = keeper.ttl_s if keeper is not None else CONCURRENCY_TTL_S
+        released = False
 
-        async def release(acquired: bool) -> None:
-            if acquired:
+        async def release(acquired: bool = True) -> None:
+            nonlocal released
+            if acquired and not released:
+                released = True
+                if keeper is not None:
+                    keeper.discard(pool, lease)
                 await self._release_lease(tenant, pool, lease)
 
-        acquire = self.store.try_acquire(pool, lease, 1, limit, ttl_s)
-        if not await self._undone_if_cancelled(acquire, release):
+        if not await acquire(self.store.try_acquire(pool, lease, 1, limit, ttl_s), release):
             raise RateLimited(
                 f"tenant {tenant.name!r} already has {limit} requests in flight",
                 code="concurrency_limit", retry_after_s=1.0,
             )
         if keeper is not None:
-            keeper.add(pool, lease)
+            keeper.add(pool, lease, max_age_s=max_hold_s, on_stale=release)
         gauge.inc()
         try:
             yield
         finally:
             gauge.dec()
-            if keeper is not None:
-                keeper.discard(pool, lease)
-            await self._release_lease(tenant, pool, lease)
+            await finish(release())
 
     async def _release_lease(self, tenant: TenantConfig, pool: str, lease: str) -> None:
         try:
@@ -250,27 +260,6 @@ class Budgets:
         except (StateStoreError, KvgateError) as exc:
             log.warning("could not release %s's concurrency lease (expires by TTL): %s",
                         tenant.name, exc)
-
-    async def _undone_if_cancelled(
-        self, step: Coroutine[Any, Any, T], undo: Callable[[T], Coroutine[Any, Any, None]]
-    ) -> T:
-        """Run a charging step to its end even if the request is cancelled meanwhile (a client
-        that leaves), and then `undo` it: what the store did after the cancel is given back."""
-        task = asyncio.ensure_future(step)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda done: self._undo(done, undo))
-            raise
-
-    def _undo(
-        self, done: asyncio.Future[T], undo: Callable[[T], Coroutine[Any, Any, None]]
-    ) -> None:
-        if done.cancelled() or done.exception() is not None:
-            return  # refused or failed: nothing was taken
-        task: asyncio.Future[object] = asyncio.ensure_future(undo(done.result()))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
 
 @contextlib.asynccontextmanager

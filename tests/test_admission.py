@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.admission import Admission, Demand, LeaseKeeper, Slot, ledger_key
+from kvgate.admission import Admission, Demand, Slot, ledger_key
 from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig
 from kvgate.errors import NeverFits, NoReplica, RateLimited
+from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.replicas import Replica, Scrape
 from kvgate.state.base import StateStoreError

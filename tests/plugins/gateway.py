@@ -226,13 +226,19 @@ def openai_error(raw: bytes) -> dict[str, Any]:
 
 
 async def wait_settled(gw: RunningGateway, timeout_s: float = 5.0) -> None:
-    """Until every replica's ledger is back to 0 and it has nothing in flight; else fail."""
+    """Until every replica's ledger is back to 0, nothing is in flight, and this instance
+    holds no lease and no shared prefix; else fail."""
     deadline = time.monotonic() + timeout_s
+    admission = gw.gateway.admission
     while True:
         held = {r.id: await gw.gateway.store.held(f"ledger:{r.id}") for r in gw.gateway.registry}
         inflight = {r.id: list(r.inflight) for r in gw.gateway.registry if r.inflight}
-        if not any(held.values()) and not inflight:
+        leases = admission.keeper.live_leases()
+        if not any(held.values()) and not inflight and not leases and not len(admission.prefixes):
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"not settled: ledgers {held}, in flight {inflight}")
+            raise AssertionError(
+                f"not settled: ledgers {held}, in flight {inflight}, {leases} leases kept, "
+                f"{len(admission.prefixes)} shared prefixes"
+            )
         await asyncio.sleep(0.01)
