@@ -15,6 +15,7 @@ from typing import Any
 
 from kvgate.sim.config import OUTPUT_LEN_DISTS, SimConfig
 from kvgate.sim.fleet import FleetError, ReplicaSpec, load_fleet, run_fleet
+from kvgate.sim.text import TEMPLATE_HELP
 
 # flag dest -> SimConfig field; flags left unset keep SimConfig's defaults.
 CONFIG_FLAGS: dict[str, tuple[type, str]] = {
@@ -49,6 +50,7 @@ FAULT_FLAGS: dict[str, tuple[type, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = TEMPLATE_HELP  # clients comparing token counts need to know it
     parser.add_argument("--fleet", metavar="FILE", help="run every replica of a fleet YAML file")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (8001)")

@@ -11,6 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvgate.cli import main as kvgate_main
 from kvgate.sim import cli
 from kvgate.sim.config import SimConfig
 from kvgate.sim.faults import Faults
@@ -98,3 +99,12 @@ async def test_kvgate_sim_serves_announces_its_capacity_and_exits_cleanly_on_sig
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_help_names_the_chat_template_the_simulator_renders(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        kvgate_main(["sim", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ChatML template" in text and "100264" in text and "100265" in text

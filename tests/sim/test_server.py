@@ -220,10 +220,11 @@ async def test_repeated_system_prompts_hit_the_prefix_cache_and_a_trailing_space
             return result
 
     system = "You answer questions about KV caches. " * 20
+    system_tokens = len(replica.encoder.encode_chat([{"role": "system", "content": system}], False))
     await send(system)
     assert (await state())["prefix_cache_hits"] == 0
     await send(system)
     after_repeat = await state()
-    assert after_repeat["prefix_cache_hits"] >= 160
+    assert after_repeat["prefix_cache_hits"] >= system_tokens // 16 * 16  # its full blocks
     await send(" " + system)
     assert (await state())["prefix_cache_hits"] == after_repeat["prefix_cache_hits"]
