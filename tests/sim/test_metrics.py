@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import eventually
+from tests.sim.helpers import eventually, scrape, value
 
 VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",
@@ -37,26 +34,6 @@ VLLM_METRICS = {
     "vllm:request_params_max_tokens": "histogram",
     "vllm:iteration_tokens_total": "histogram",
 }
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def scrape(http: aiohttp.ClientSession, replica: SimReplica) -> dict[str, Any]:
-    async with http.get(replica.url + "/metrics") as response:
-        assert response.status == 200
-        text = await response.text()
-    return {family.name: family for family in text_string_to_metric_families(text)}
-
-
-def value(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
-    for sample in families[name].samples:
-        if sample.name == name + suffix and all(sample.labels.get(k) == v for k, v in labels.items()):
-            return float(sample.value)
-    raise KeyError(name + suffix)
 
 
 async def chat(
