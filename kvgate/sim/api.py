@@ -1,5 +1,9 @@
 """The HTTP surface of a simulated replica: vLLM's OpenAI-compatible API plus `/sim/*`.
 
+A generation request is read top to bottom: parse the body and its options (`options.py`),
+encode the prompts (`text.py`), fan out one engine request per prompt and sequence
+(`choices.py`), then answer as a stream (`streaming.py`) or whole.
+
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 POST /tokenize, POST /detokenize, GET /metrics, and the control routes in `control.py`.
 Middlewares, outermost first: error bodies in vLLM's shape, the optional API key (paths under
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -20,9 +24,14 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.sim import control
-from kvgate.sim.request import ContextLengthError, FinishReason
-from kvgate.sim.responses import DONE, ChunkWriter, Completion, error_body
-from kvgate.sim.runtime import EngineRuntime, Generation
+from kvgate.sim.choices import Child, EngineAborted, fan_out, full_body, wait_all
+from kvgate.sim.extras import RichChunks
+from kvgate.sim.logprobs import LogprobTable
+from kvgate.sim.options import OptionError, OutputOptions, chat_options, completion_options
+from kvgate.sim.request import ContextLengthError
+from kvgate.sim.responses import ChoiceChunks, ChunkWriter, Completion, error_body
+from kvgate.sim.runtime import EngineRuntime
+from kvgate.sim.streaming import ChoiceStream, drop, stream
 from kvgate.sim.text import PromptError
 
 if TYPE_CHECKING:
@@ -111,6 +120,27 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _options(
+    parse: Callable[[Mapping[str, Any]], OutputOptions], body: Mapping[str, Any]
+) -> OutputOptions:
+    try:
+        return parse(body)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), exc.param) from exc
+
+
+async def _prepared_stream(request: web.Request, base_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": base_id,
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
 def _optional_int(body: Mapping[str, Any], key: str, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -128,33 +158,38 @@ class OpenAIApi:
         self.runtime = runtime
         self.model = replica.config.served_model_name
         self.created = int(time.time())
+        self.logprobs = LogprobTable(replica.config.seed)
 
     # ------------------------------------------------------------------ generation
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         self._check_common(body)
+        options = _options(chat_options, body)
         try:
             prompt_ids = self.replica.encoder.encode_chat(
-                body.get("messages"), bool(body.get("add_generation_prompt", True))
+                body.get("messages"),
+                bool(body.get("add_generation_prompt", True)),
+                body.get("tools"),
             )
         except PromptError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         max_tokens = _optional_int(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _optional_int(body, "max_tokens", 1)
-        return await self._generate(request, body, prompt_ids, max_tokens, chat=True)
+        return await self._generate(request, body, [prompt_ids], max_tokens, options, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         self._check_common(body)
+        options = _options(completion_options, body)
         try:
-            prompt_ids = self.replica.encoder.encode_prompt(body.get("prompt"))
+            prompts = self.replica.encoder.encode_prompts(body.get("prompt"))
         except PromptError as exc:
             raise ApiError(400, str(exc), "prompt") from exc
         max_tokens = _optional_int(body, "max_tokens", 1)
         return await self._generate(
-            request, body, prompt_ids, 16 if max_tokens is None else max_tokens, chat=False
+            request, body, prompts, 16 if max_tokens is None else max_tokens, options, chat=False
         )
 
     def _check_common(self, body: Mapping[str, Any]) -> None:
@@ -164,117 +199,71 @@ class OpenAIApi:
         priority = body.get("priority", 0)
         if priority not in (0, None):
             raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
-        n = body.get("n")
-        if n not in (None, 1):
-            raise ApiError(400, "The simulator supports n=1 only.", "n")
 
     async def _generate(
         self,
         request: web.Request,
         body: Mapping[str, Any],
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
+        options: OutputOptions,
         *,
         chat: bool,
     ) -> web.StreamResponse:
-        runtime = self.runtime
+        """Fan the request out into engine requests, then answer as a stream or whole."""
         base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        try:
-            generation = runtime.submit(
-                runtime.unique_id(base_id),
-                prompt_ids,
-                max_tokens,
-                ignore_eos=bool(body.get("ignore_eos", False)),
-            )
-        except ContextLengthError as exc:
-            raise ApiError(400, str(exc)) from exc
         completion = Completion(
             chat, f"{'chatcmpl' if chat else 'cmpl'}-{base_id}", int(time.time()), self.model
         )
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
         drop_after = self.replica.faults.draw_drop(self.replica.fault_rng)
+        ignore_eos = bool(body.get("ignore_eos", False))
         try:
-            if body.get("stream"):
-                options = body.get("stream_options") or {}
-                include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-                return await self._stream(
-                    request, generation, completion, include_usage, drop_after, base_id
+            with fan_out(
+                self.runtime, base_id, prompts, options.best_of, max_tokens, ignore_eos=ignore_eos
+            ) as children:
+                if body.get("stream"):
+                    stream_options = body.get("stream_options") or {}
+                    include_usage = isinstance(stream_options, dict) and bool(
+                        stream_options.get("include_usage")
+                    )
+                    response = await _prepared_stream(request, base_id)
+                    return await stream(
+                        request,
+                        response,
+                        completion,
+                        [self._choice_stream(completion, options, c) for c in children],
+                        prompt_tokens,
+                        include_usage=include_usage,
+                        drop_after=drop_after,
+                    )
+                await wait_all(children)
+                if drop_after is not None:
+                    raise drop(request)
+                body = full_body(completion, options, self.logprobs, children, prompt_tokens)
+                return web.Response(
+                    body=orjson.dumps(body),
+                    content_type="application/json",
+                    headers={"X-Request-Id": base_id},
                 )
-            await generation.wait_finished()
-            if drop_after is not None:
-                raise _drop(request)
-            return self._full_response(generation, completion, base_id)
+        except ContextLengthError as exc:
+            raise ApiError(400, str(exc)) from exc
+        except EngineAborted as exc:
+            raise ApiError(500, str(exc)) from exc
         except ConnectionResetError:
             # The client left or the connection was dropped on purpose; nobody reads this.
             return web.Response(status=499)
-        finally:
-            runtime.abort(generation)  # a no-op once finished; frees blocks on any other end
 
-    def _full_response(
-        self, generation: Generation, completion: Completion, base_id: str
-    ) -> web.Response:
-        reason = generation.finish_reason
-        if reason is None or reason is FinishReason.ABORT:
-            raise ApiError(500, "The engine aborted the request.")
-        body = completion.full(
-            generation.num_ready, reason.value, generation.request.num_prompt_tokens
+    def _choice_stream(
+        self, completion: Completion, options: OutputOptions, child: Child
+    ) -> ChoiceStream:
+        index = child.prompt_index * options.n + child.sequence
+        chunks: ChoiceChunks = (
+            ChunkWriter(completion, index)
+            if options.plain
+            else RichChunks(completion, options, self.logprobs, index, child.sequence)
         )
-        return web.Response(
-            body=orjson.dumps(body),
-            content_type="application/json",
-            headers={"X-Request-Id": base_id},
-        )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        generation: Generation,
-        completion: Completion,
-        include_usage: bool,
-        drop_after: int | None,
-        base_id: str,
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": base_id,
-            }
-        )
-        await response.prepare(request)
-        writer = ChunkWriter(completion)
-        budget = drop_after  # chunks left before the connection drops; None = no drop
-
-        async def send(data: bytes, chunks: int) -> None:
-            nonlocal budget
-            if budget is not None:
-                if budget < chunks:
-                    raise _drop(request)
-                budget -= chunks
-            await response.write(data)
-
-        if completion.chat:
-            await send(writer.role(), 1)
-        sent = 0
-        while True:
-            await generation.wait_beyond(sent)
-            ready, reason = generation.num_ready, generation.finish_reason
-            if reason is FinishReason.ABORT:
-                error = error_body("The engine aborted the request.", "InternalServerError", 500)
-                await response.write(b"data: " + error + b"\n\n" + DONE)
-                return response
-            finish = None if reason is None else reason.value
-            if budget is None:
-                await send(writer.tokens(sent, ready, finish), ready - sent)
-            else:
-                for i in range(sent, ready):
-                    await send(writer.tokens(i, i + 1, finish if i == ready - 1 else None), 1)
-            sent = ready
-            if reason is not None:
-                break
-        tail = writer.usage(generation.request.num_prompt_tokens, sent) if include_usage else b""
-        await send(tail + DONE, 2 if include_usage else 1)
-        await response.write_eof()
-        return response
+        return ChoiceStream(child.generation, chunks)
 
     # ------------------------------------------------------------------ the rest
 
@@ -302,7 +291,7 @@ class OpenAIApi:
         try:
             if "messages" in body:
                 add_prompt = bool(body.get("add_generation_prompt", True))
-                tokens = encoder.encode_chat(body["messages"], add_prompt)
+                tokens = encoder.encode_chat(body["messages"], add_prompt, body.get("tools"))
             else:
                 tokens = encoder.encode_prompt(body.get("prompt"))
         except PromptError as exc:
@@ -331,10 +320,3 @@ class OpenAIApi:
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.runtime.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _drop(request: web.Request) -> ConnectionResetError:
-    """Cut the connection as a crashing server would; raise the result to unwind the handler."""
-    if request.transport is not None:
-        request.transport.abort()
-    return ConnectionResetError("connection dropped (fault injection)")

@@ -89,6 +89,23 @@ class Generation:
             waiter.set_result(None)
 
 
+async def wait_any(progress: Sequence[tuple[Generation, int]]) -> None:
+    """Return once any generation has more tokens ready than its seen count, or ended.
+
+    One future is shared as every generation's waiter: the first update completes it, and
+    the others find it done (the n choices of a request wait together, as one handler).
+    """
+    while not any(g.num_ready > seen or g.finish_reason is not None for g, seen in progress):
+        waiter = asyncio.get_running_loop().create_future()
+        for generation, _ in progress:
+            generation._waiter = waiter
+        try:
+            await waiter
+        finally:
+            for generation, _ in progress:
+                generation._waiter = None
+
+
 class EngineRuntime:
     """An engine, its metrics and its step loop; a restart replaces the whole runtime."""
 

@@ -228,3 +228,29 @@ async def test_repeated_system_prompts_hit_the_prefix_cache_and_a_trailing_space
     assert after_repeat["prefix_cache_hits"] >= system_tokens // 16 * 16  # its full blocks
     await send(" " + system)
     assert (await state())["prefix_cache_hits"] == after_repeat["prefix_cache_hits"]
+
+
+async def test_tokenize_shows_five_tokens_per_message_and_three_for_the_generation_prompt(
+    replica: SimReplica, http: aiohttp.ClientSession
+) -> None:
+    async def count(body: dict[str, Any]) -> tuple[int, list[int]]:
+        async with http.post(replica.url + "/tokenize", json=body) as response:
+            answer = await response.json()
+        return answer["count"], answer["tokens"]
+
+    content = "How many KV blocks does a 4096-token prompt hold?"
+    text_tokens, _ = await count({"prompt": content})
+    one, ids = await count(
+        {"messages": [{"role": "user", "content": content}], "add_generation_prompt": False}
+    )
+    assert one == text_tokens + 5  # <|im_start|> user \n ... <|im_end|> \n
+    assert (ids[0], ids[-2]) == (100264, 100265)
+    two, _ = await count({"messages": [{"role": "system", "content": content},
+                                       {"role": "user", "content": content}],
+                          "add_generation_prompt": False})  # fmt: skip
+    assert two == 2 * (text_tokens + 5)
+    with_reply, ids = await count({"messages": [{"role": "user", "content": content}]})
+    assert with_reply == one + 3  # <|im_start|> assistant \n
+    async with http.post(replica.url + "/detokenize", json={"tokens": ids}) as response:
+        text = (await response.json())["prompt"]
+    assert text == f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
