@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvgate.admission import Admission, admissible_blocks, ledger_key
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
+from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, secret
 from kvgate.gateway import Gateway, Runtime
@@ -25,7 +26,7 @@ from kvgate.metrics import Metrics
 from kvgate.replicas import Registry, discovery_loop
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Directory
-from kvgate.tokens import Calibration, TokenizerError
+from kvgate.tokens import TokenizerError
 from kvgate.upstream import Relay
 
 log = logging.getLogger(__name__)

@@ -9,19 +9,23 @@ across reloads; a tokenizer that cannot be loaded fails the start (or the reload
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvgate.calibration import Terms
+from kvgate.chat_template import ChatTemplate, find_template, load_template
 from kvgate.config import Config, ModelConfig, TenantConfig, TokenizerConfig
 from kvgate.errors import BadRequest, ContextLengthExceeded
 from kvgate.requests import Endpoint, ParsedRequest
-from kvgate.tokens import ChatOverhead, PromptCount, PromptCounter, Tokenizer, load_tokenizer
+from kvgate.tokens import PromptCount, PromptCounter, Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    prompt_tokens: int
+    prompt_tokens: int  # every prompt of the request, as vLLM will count them
     max_tokens: int
     worst_tokens: int
     set_max_tokens: bool  # kvgate chose max_tokens (the client sent none): forward it
+    prompts: int = 1  # prompts in the request (a completions call may batch several)
 
 
 def bound_worst_case(
@@ -30,7 +34,14 @@ def bound_worst_case(
     model: ModelConfig,
     tenant: TenantConfig,
     max_model_len: int | None,
+    *,
+    prompts: int = 1,
+    longest_prompt: int | None = None,
 ) -> Bound:
+    """The worst case of a request of `prompts` prompts (a completions call may batch several;
+    `longest_prompt` is the longest one's tokens), each generating `parsed.sequences`
+    sequences of up to max_tokens: (Σ prompts + prompts × max_tokens) × sequences."""
+    longest = prompt_tokens if longest_prompt is None else longest_prompt
     cap = tenant.max_tokens_cap
     if parsed.max_tokens is not None:
         if cap is not None and parsed.max_tokens > cap:
@@ -44,21 +55,21 @@ def bound_worst_case(
         if cap is not None:
             max_tokens = min(max_tokens, cap)
         if max_model_len is not None:
-            max_tokens = min(max_tokens, max_model_len - prompt_tokens)
+            max_tokens = min(max_tokens, max_model_len - longest)
         if max_tokens < 1:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_model_len} tokens, and the "
-                f"prompt alone is about {prompt_tokens} tokens",
+                f"prompt alone is about {longest} tokens",
                 param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt",
             )
-    sequence = prompt_tokens + max_tokens
+    sequence = longest + max_tokens
     # n > 1: every sequence may grow to max_tokens (and, without prefix caching, holds its
     # own copy of the prompt): reserve for all of them.
-    worst = sequence * parsed.sequences
+    worst = (prompt_tokens + prompts * max_tokens) * parsed.sequences
     if max_model_len is not None and sequence > max_model_len:
         raise ContextLengthExceeded(
             f"this model's maximum context length is {max_model_len} tokens; this request "
-            f"may use {sequence} ({prompt_tokens} in the prompt, {max_tokens} in the completion); "
+            f"may use {sequence} ({longest} in the prompt, {max_tokens} in the completion); "
             "reduce the prompt or max_tokens",
             param="max_tokens",
         )
@@ -69,7 +80,7 @@ def bound_worst_case(
             f"may use {worst} ({prompt_tokens} in the prompt, {max_tokens} in the completion)",
             param="max_tokens",
         )
-    return Bound(prompt_tokens, max_tokens, worst, parsed.max_tokens is None)
+    return Bound(prompt_tokens, max_tokens, worst, parsed.max_tokens is None, prompts)
 
 
 def upstream_body(parsed: ParsedRequest, bound: Bound) -> dict[str, object]:
@@ -86,21 +97,27 @@ def upstream_body(parsed: ParsedRequest, bound: Bound) -> dict[str, object]:
 
 
 class Catalog:
-    """Prompt counters per model, sharing tokenizers between models with the same one."""
+    """Prompt counters per model, sharing tokenizers (and templates) between models."""
 
     def __init__(self) -> None:
         self._tokenizers: dict[TokenizerConfig, Tokenizer] = {}
+        self._templates: dict[Path, ChatTemplate] = {}
         self._counters: dict[str, PromptCounter] = {}
         self.config: Config | None = None
 
     def configure(self, config: Config) -> None:
-        """Load every configured tokenizer now (raises TokenizerError), then switch."""
+        """Load every configured tokenizer and template now (raises TokenizerError), then
+        switch."""
         tokenizers = dict(self._tokenizers)
+        templates: dict[Path, ChatTemplate] = {}
         for model in [*config.models, config.default_model]:
-            if model.tokenizer not in tokenizers:
-                t = model.tokenizer
+            t = model.tokenizer
+            if t not in tokenizers:
                 tokenizers[t] = load_tokenizer(t.kind, t.encoding, t.file)
-        self._tokenizers = tokenizers
+            path = template_path(t)
+            if path is not None and path not in templates:
+                templates[path] = load_template(path)
+        self._tokenizers, self._templates = tokenizers, templates
         self._counters = {}
         self.config = config
 
@@ -109,19 +126,41 @@ class Catalog:
         if counter is None:
             assert self.config is not None
             settings = self.config.model(model)
-            template = settings.chat_template
+            path = template_path(settings.tokenizer)
             counter = PromptCounter(
                 self._tokenizers[settings.tokenizer],
-                ChatOverhead(
-                    template.tokens_per_message, template.tokens_per_name,
-                    template.reply_primer_tokens,
-                ),
+                template=self._templates[path] if path is not None else None,
+                name_tokens=settings.chat_template.tokens_per_name,
+                media_part_tokens=settings.media_part_tokens,
             )
             self._counters[model] = counter
         return counter
 
+    def prior(self, model: str, endpoint: Endpoint, count: PromptCount) -> Terms:
+        """Where the calibrated estimate starts: the configured template overhead for chats
+        counted without the model's template, nothing added otherwise."""
+        assert self.config is not None
+        if endpoint is not Endpoint.CHAT or count.templated:
+            return Terms()
+        template = self.config.model(model).chat_template
+        return Terms(1.0, template.tokens_per_message, template.reply_primer_tokens)
+
     async def count(self, parsed: ParsedRequest) -> PromptCount:
         counter = self.counter(parsed.model)
         if parsed.endpoint is Endpoint.CHAT:
-            return await counter.count_chat(parsed.messages, parsed.body.get("tools"))
-        return PromptCount(await counter.count_prompt(parsed.body["prompt"]))
+            body = parsed.body
+            kwargs = body.get("chat_template_kwargs")
+            return await counter.count_chat(
+                parsed.messages, body.get("tools"),
+                add_generation_prompt=body.get("add_generation_prompt") is not False,
+                template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+            )
+        return await counter.count_prompt(parsed.body["prompt"])
+
+
+def template_path(tokenizer: TokenizerConfig) -> Path | None:
+    if tokenizer.template_file is not None:
+        return tokenizer.template_file
+    if tokenizer.kind == "huggingface":
+        return find_template(tokenizer.file)
+    return None

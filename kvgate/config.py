@@ -59,6 +59,9 @@ class ServerConfig(_Model):
     # aiohttp's per-request access log line (costs ~7% of CPU on streamed requests;
     # kvgate_requests_total and the metrics already count every request).
     access_log: bool = False
+    # X-Kvgate-Prompt-Tokens (kvgate's estimate of vLLM's count) and X-Kvgate-Reserved-Blocks
+    # on every forwarded response, to compare with the usage vLLM reports.
+    accounting_headers: bool = True
 
 
 class TimeoutsConfig(_Model):
@@ -105,10 +108,19 @@ class TokenizerConfig(_Model):
     kind: Literal["tiktoken", "huggingface"] = "tiktoken"
     encoding: str = "cl100k_base"
     file: Path | None = None
+    # The model's chat template: a tokenizer_config.json (its `chat_template`) or a .jinja file.
+    # For a huggingface tokenizer, the tokenizer_config.json beside `file` is used if present.
+    # With it, chat prompts are counted exactly as vLLM renders them.
+    template_file: Path | None = None
 
 
 class ChatTemplateConfig(_Model):
-    tokens_per_message: int = Field(4, ge=0)
+    """The starting point of the calibrated estimate when kvgate does not have the model's own
+    template; refined online from each replica's reported prompt_tokens. The defaults are a
+    ChatML template whose markers are single special tokens: <|im_start|>, role, newline,
+    <|im_end|>, newline per message; <|im_start|>assistant and a newline to open the reply."""
+
+    tokens_per_message: int = Field(5, ge=0)
     tokens_per_name: int = Field(1, ge=0)
     reply_primer_tokens: int = Field(3, ge=0)
 
@@ -120,6 +132,9 @@ class ModelConfig(_Model):
     default_max_tokens: PositiveInt = 1024
     # Overrides the max_model_len the replicas report.
     max_model_len: PositiveInt | None = None
+    # Tokens reserved for each non-text content part (an image, audio, a file): their true
+    # cost depends on the model's encoder and the input's size, which kvgate cannot see.
+    media_part_tokens: int = Field(1024, ge=0)
 
 
 class QueueConfig(_Model):

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvgate.admission import Admission, Demand, Slot
+from kvgate.calibration import Calibration, Terms
 from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
-from kvgate.config import Config, TenantConfig
+from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
 from kvgate.replicas import Registry, Replica
@@ -28,7 +29,7 @@ from kvgate.routing.policies import LeastLoaded, RoutingPolicy
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Charge, Directory, check_access
-from kvgate.tokens import Calibration, PromptCount
+from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
 
 SESSION_HEADER = "X-Kvgate-Session"
@@ -47,12 +48,17 @@ class Runtime:
 class RequestInfo:
     """Labels for the metrics of one request, filled in as the path learns them."""
 
-    request_id: str
+    request_id: str  # the client's X-Request-Id if it sent a sane one, echoed and forwarded
     started: float
+    key: str  # kvgate's own id for the request: clients may send the same X-Request-Id twice
     model: str = "unknown"
     pool: str = "none"
     tenant: str = "unknown"
-    disconnected: bool = False
+    disconnected: bool = False  # the client left before it had the whole answer
+    delivered: bool = False  # the client was sent the whole answer
+    prompt_tokens: int | None = None
+    reserved_blocks: int | None = None
+    charged_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -83,38 +89,60 @@ class Gateway:
 
         # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
-        prompt_tokens = self.calibration.apply(parsed.model, count.tokens)
         model = rt.config.model(parsed.model)
-        sized = bound_worst_case(parsed, prompt_tokens, model, tenant, model.max_model_len)
+        sized = self.bound(parsed, count, tenant, model, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
         info.pool, candidates = self.candidates(rt, first_pool, parsed.model)
-        bound = bound_worst_case(
-            parsed, prompt_tokens, model, tenant,
+        bound = self.bound(
+            parsed, count, tenant, model,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
-        demand = self.demand(info.pool, parsed.model, tenant, bound, count, rt.config)
+        info.prompt_tokens = bound.prompt_tokens
+        demand = self.demand(info.pool, parsed, tenant, bound, count, rt.config)
 
         # charge the tenant, admit on a replica's ledger, forward; settle on every ending
         outcome = Outcome()
-        max_hold_s = rt.config.timeouts.total_s + rt.config.admission.lease_ttl_s
-        async with self.budgets.charge(
-            tenant, bound.worst_tokens, max_hold_s + rt.config.admission.queue.max_wait_s
-        ) as charge:
+        held_at_most = rt.config.admission.queue.max_wait_s + (demand.max_hold_s or 0.0)
+        async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
+                    info.reserved_blocks = slot.worst_case_blocks
                     return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
-                await self.settle(charge, parsed, count.tokens, bound, outcome)
+                await self.settle(charge, parsed, count, bound, outcome, info)
+
+    def bound(
+        self,
+        parsed: ParsedRequest,
+        count: PromptCount,
+        tenant: TenantConfig,
+        model: ModelConfig,
+        max_model_len: int | None,
+    ) -> Bound:
+        """The worst case, from the prompt tokens vLLM is expected to count."""
+        terms = self.terms(parsed, count)
+        return bound_worst_case(
+            parsed, terms.estimate(count.features), model, tenant, max_model_len,
+            prompts=count.features.prompts,
+            longest_prompt=terms.estimate(count.longest or count.features),
+        )
+
+    def terms(self, parsed: ParsedRequest, count: PromptCount) -> Terms:
+        prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
+        return self.calibration.terms(parsed.model, parsed.endpoint.name.lower(), prior)
 
     def demand(
-        self, pool: str, model: str, tenant: TenantConfig, bound: Bound, count: PromptCount,
-        config: Config,
+        self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
+        count: PromptCount, config: Config,
     ) -> Demand:
+        model = parsed.model
+        terms = self.terms(parsed, count)
+        # never credit more shared blocks than the text alone could hold
+        prefix = Terms(min(1.0, terms.ratio), terms.per_message).estimate(count.prefix)
         return Demand(
             pool, model, bound.worst_tokens, tenant.name, tenant.priority,
             prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
-            # never credit more shared blocks than kvgate may have over-estimated
-            prefix_tokens=int(count.prefix_tokens * min(1.0, self.calibration.ratio(model))),
+            prefix_tokens=prefix if count.prefix_key else 0,
             # the request runs at most total_s once forwarded; the lease TTL is the grace
             max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
         )
@@ -131,13 +159,17 @@ class Gateway:
     ) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
         replica = slot.replica
-        replica.inflight[info.request_id] = lambda: bound.prompt_tokens + outcome.streamed_tokens
+        replica.inflight[info.key] = lambda: bound.prompt_tokens + outcome.streamed_tokens
+        outcome.token_rate = replica.token_rate
         headers = {
             **charge.headers,
             "X-Request-Id": info.request_id,
             "X-Kvgate-Pool": info.pool,
             "X-Kvgate-Replica": replica.id,
         }
+        if rt.config.server.accounting_headers:
+            headers["X-Kvgate-Prompt-Tokens"] = str(bound.prompt_tokens)
+            headers["X-Kvgate-Reserved-Blocks"] = str(slot.worst_case_blocks)
         try:
             return await self.relay.forward(
                 request,
@@ -154,29 +186,67 @@ class Gateway:
                 outcome=outcome,
             )
         finally:
-            replica.inflight.pop(info.request_id, None)
-            info.disconnected = outcome.client_disconnected
-            self.observe(info, bound, slot, outcome)
+            replica.inflight.pop(info.key, None)
+            info.disconnected = outcome.client_disconnected and not outcome.done
+            info.delivered = outcome.done
+            self.observe(info, parsed, bound, slot, outcome)
 
     async def settle(
-        self, charge: Charge, parsed: ParsedRequest, estimate: int, bound: Bound, outcome: Outcome
+        self,
+        charge: Charge,
+        parsed: ParsedRequest,
+        count: PromptCount,
+        bound: Bound,
+        outcome: Outcome,
+        info: RequestInfo,
     ) -> None:
-        """Correct the tenant's charge to what really happened; unsettled charges (nothing
-        generated) are refunded whole when the budget's context exits."""
-        if outcome.usage is not None:
-            ratio = self.calibration.observe(parsed.model, estimate, outcome.usage.prompt_tokens)
-            self.metrics.calibration.labels(parsed.model).set(ratio)
-            await self.budgets.settle(
-                charge, outcome.usage.prompt_tokens, outcome.usage.completion_tokens
+        """Correct the tenant's charge to what the replica processed; unsettled charges
+        (nothing reached the replica) are refunded whole when the budget's context exits."""
+        usage = outcome.usage
+        if usage is not None:
+            prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
+            endpoint = parsed.endpoint.name.lower()
+            self.calibration.observe(
+                parsed.model, endpoint, count.features, usage.prompt_tokens, prior
             )
-        elif outcome.streamed_tokens:
-            await self.budgets.settle(charge, bound.prompt_tokens, outcome.streamed_tokens)
+            self.export_calibration(parsed.model, endpoint)
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        elif (
+            outcome.sent_at is None  # never sent
+            or outcome.status >= 400  # refused by the replica
+            or (outcome.upstream_failed and outcome.status == 0)  # unreachable, or no answer
+        ):
+            return  # nothing processed that the tenant caused: refunded whole on exit
+        else:  # the client left, or the stream broke: what the replica processed so far
+            prompt, completion = bound.prompt_tokens, processed_tokens(parsed, bound, outcome)
+        info.charged_tokens = prompt + completion
+        await self.budgets.settle(charge, prompt, completion)
 
-    def observe(self, info: RequestInfo, bound: Bound, slot: Slot, outcome: Outcome) -> None:
+    def export_calibration(self, model: str, endpoint: str) -> None:
+        m, calibration = self.metrics, self.calibration
+        m.calibration.labels(model).set(calibration.ratio(model))
+        terms = calibration.terms(model, endpoint, Terms())
+        for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(), strict=True):
+            m.calibration_terms.labels(model, endpoint, name).set(value)
+        error = calibration.error(model, endpoint)
+        if error is not None:
+            m.token_estimate_error.labels(model, endpoint).set(error)
+
+    def observe(
+        self, info: RequestInfo, parsed: ParsedRequest, bound: Bound, slot: Slot, outcome: Outcome
+    ) -> None:
+        now = time.monotonic()
         if outcome.first_token_at is not None:
             self.metrics.ttft.labels(info.pool, info.model).observe(
                 outcome.first_token_at - info.started
             )
+        if outcome.usage is not None and outcome.sent_at is not None:
+            # one sequence's pace here: from the first token for streams, from sending for
+            # whole answers (which then includes the prefill: a slightly low rate)
+            per_sequence = outcome.usage.completion_tokens // parsed.sequences
+            since = outcome.first_token_at if parsed.stream else outcome.sent_at
+            if since is not None:
+                slot.replica.observe_rate(per_sequence, now - since)
         used = bound.prompt_tokens + outcome.completion_tokens()
         if outcome.usage is not None:
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
@@ -203,6 +273,23 @@ class Gateway:
         raise NoReplica(f"no healthy replica in pool {first_pool!r} serves model {model!r}")
 
 
+def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:
+    """Output tokens a replica computed for a request that ended without reporting usage.
+
+    Streamed: the chunks relayed. Not streamed (the client gave up, or the call failed
+    midway): the time the replica had at its recent pace per sequence, within max_tokens —
+    what it spent on the request, so that timing out cannot beat the budget. Until the
+    replica's pace is known, the whole reservation is charged.
+    """
+    if parsed.stream or outcome.sent_at is None:
+        return outcome.streamed_tokens
+    sequences = bound.prompts * parsed.sequences
+    if outcome.token_rate is None:
+        return bound.max_tokens * sequences
+    elapsed = time.monotonic() - outcome.sent_at
+    return min(bound.max_tokens, math.ceil(outcome.token_rate * elapsed)) * sequences
+
+
 def max_model_len(model: str, candidates: list[Replica]) -> int | None:
     """The largest context any candidate reports for `model` (admission then skips replicas
     whose own limit is smaller)."""
@@ -227,6 +314,7 @@ REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)
 
 
 def new_request_info(request: web.Request) -> RequestInfo:
+    key = os.urandom(16).hex()
     given = request.headers.get("X-Request-Id", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else os.urandom(16).hex()
-    return RequestInfo(request_id=request_id, started=time.monotonic())
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else key
+    return RequestInfo(request_id=request_id, started=time.monotonic(), key=key)

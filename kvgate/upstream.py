@@ -51,7 +51,10 @@ class Outcome:
     status: int = 0
     usage: Usage | None = None
     streamed_tokens: int = 0  # content chunks relayed (≈ tokens; vLLM sends one per token)
+    sent_at: float | None = None  # when the request went to the replica
+    token_rate: float | None = None  # the replica's recent output tokens/s per sequence then
     first_token_at: float | None = None
+    done: bool = False  # the client was sent the whole answer ([DONE], or the full body)
     client_disconnected: bool = False
     upstream_failed: bool = False
 
@@ -128,6 +131,7 @@ class Relay:
         assert self.session is not None, "the app's services are not started"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s)
         deadline = time.monotonic() + t.total_s
+        outcome.sent_at = time.monotonic()
         try:
             async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
                 upstream = await self.session.post(
@@ -135,10 +139,12 @@ class Relay:
                     timeout=timeout, auto_decompress=False,
                 )
         except TimeoutError:
+            outcome.upstream_failed = True
             raise UpstreamTimeout(
                 f"replica {replica.id} did not answer within {t.first_byte_s:g}s"
             ) from None
         except aiohttp.ClientError as exc:
+            outcome.upstream_failed = True
             raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
         async with upstream:
             outcome.status = upstream.status
@@ -186,6 +192,7 @@ class Relay:
         usage = data.get("usage") if isinstance(data, dict) else None
         outcome.usage = _usage(usage)
         outcome.first_token_at = time.monotonic()
+        outcome.done = True
         return web.Response(
             body=raw, status=status, headers=response_headers, content_type="application/json"
         )
@@ -285,6 +292,8 @@ class Relay:
         except ConnectionResetError:
             outcome.client_disconnected = True
             raise
+        if data.endswith(b"data: [DONE]\n\n"):
+            outcome.done = True
 
     @staticmethod
     async def _send_error(response: web.StreamResponse, error: KvgateError) -> None:

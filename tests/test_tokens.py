@@ -1,4 +1,4 @@
-"""Token counting: offline tokenizers, the chat overhead, the per-message cache, calibration."""
+"""Token counting: offline tokenizers, what the counter reports, the per-message cache."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.calibration import Features
 from kvgate.tokens import (
     OFF_LOOP_CHARS,
-    Calibration,
-    ChatOverhead,
     PromptCounter,
     TokenizerError,
     load_tiktoken,
@@ -54,14 +53,33 @@ def test_a_huggingface_tokenizer_json_is_loaded_from_a_file(tmp_path: Path):
         load_tokenizer("huggingface", file=tmp_path / "missing.json")
 
 
-async def test_chat_count_adds_the_template_overhead_per_message(tiktoken_tokenizer):
-    counter = PromptCounter(tiktoken_tokenizer, ChatOverhead(per_message=4, per_name=1, reply_primer=3))
+async def test_a_chat_is_counted_as_text_tokens_messages_and_one_request(tiktoken_tokenizer):
+    counter = PromptCounter(tiktoken_tokenizer, name_tokens=1)
     messages = [{"role": "system", "content": "hello world"},
                 {"role": "user", "content": "hello world", "name": "bob"}]
     count = await counter.count_chat(messages)
-    # 2 tokens per content, 4 per message, 1 + len("bob") for the name, 3 for the reply primer
-    assert count.tokens == 2 + 2 + 4 * 2 + 1 + 1 + 3
-    assert count.prefix_tokens == 2 + 4 and count.prefix_key is not None
+    # 2 tokens per content, and 1 + len("bob") for the name
+    assert count.features == Features(2 + 2 + 1 + 1, messages=2, prompts=1)
+    assert count.prefix_text_tokens == 2 and count.prefix_key is not None
+    assert not count.templated
+
+
+async def test_tools_count_as_one_more_message_of_their_json(tiktoken_tokenizer):
+    counter = PromptCounter(tiktoken_tokenizer)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    plain = await counter.count_chat([{"role": "user", "content": "hi"}])
+    with_tools = await counter.count_chat([{"role": "user", "content": "hi"}], tools)
+    assert with_tools.features.messages == plain.features.messages + 1
+    assert with_tools.features.text_tokens > plain.features.text_tokens + 10
+
+
+async def test_each_image_part_costs_the_configured_tokens(tiktoken_tokenizer):
+    counter = PromptCounter(tiktoken_tokenizer, media_part_tokens=500)
+    content = [{"type": "text", "text": "hello world"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+               {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]
+    count = await counter.count_chat([{"role": "user", "content": content}])
+    assert count.features.text_tokens == 2 + 2 * 500
 
 
 async def test_repeated_messages_are_counted_once(tiktoken_tokenizer):
@@ -99,23 +117,14 @@ async def test_large_prompts_are_counted_off_the_event_loop():
     assert seen == [True, False]
 
 
-async def test_completions_prompts_of_token_ids_are_counted_exactly(tiktoken_tokenizer):
+async def test_completions_prompts_are_counted_per_prompt(tiktoken_tokenizer):
     counter = PromptCounter(tiktoken_tokenizer)
-    assert await counter.count_prompt([1, 2, 3, 4]) == 4
-    assert await counter.count_prompt(["hello world", "hello"]) == 3
-
-
-def test_calibration_moves_towards_observed_ratios_within_bounds():
-    calibration = Calibration(low=0.8, high=1.5, weight=0.5)
-    assert calibration.apply("m", 100) == 100
-    calibration.observe("m", 100, 120)
-    assert calibration.ratio("m") == pytest.approx(1.2)
-    calibration.observe("m", 100, 1000)  # one odd response cannot run away
-    assert calibration.ratio("m") == 1.5
-    assert calibration.apply("m", 100) == 150
-    for _ in range(50):
-        calibration.observe("m", 100, 10)
-    assert calibration.ratio("m") == 0.8
+    ids = await counter.count_prompt([1, 2, 3, 4])
+    assert ids.features == Features(4, 0, 1)
+    several = await counter.count_prompt(["hello world", "hello"])
+    assert several.features == Features(3, 0, 2) and several.longest == Features(2, 0, 1)
+    batch = await counter.count_prompt([[1, 2, 3], [4], "hello world"])
+    assert batch.features == Features(6, 0, 3) and batch.longest == Features(3, 0, 1)
 
 
 def test_the_bundled_file_is_the_published_cl100k_base():

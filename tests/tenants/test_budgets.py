@@ -3,7 +3,8 @@ actual usage at the end, refunded whole when nothing was generated; requests per
 concurrent requests; 429 with Retry-After and OpenAI's six x-ratelimit-* headers.
 
 The stub replica reports prompt_tokens=10 and completion_tokens=min(chunks, max_tokens); kvgate
-counts the chat prompt "hi" as 8 tokens, so a request with max_tokens N is charged 8 + N.
+counts the chat prompt "hi" as 9 tokens (1 + 5 for the ChatML message + 3 for the reply
+primer), so a request with max_tokens N is charged 9 + N.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.tenants.support import (
     tokens_bucket,
 )
 
-PROMPT_ESTIMATE = 8  # kvgate's count of the chat prompt "hi"
+PROMPT_ESTIMATE = 9  # kvgate's count of the chat prompt "hi"
 PROMPT_ACTUAL = 10  # what the stub reports
 
 
@@ -72,12 +73,12 @@ async def test_the_worst_case_is_charged_and_the_unused_part_refunded(
     async with aiohttp.ClientSession() as s:
         reply = await post(s, gw.url, chat(max_tokens=500, stream=stream))
         assert reply.status == 200, reply
-        # Charged at admission: the worst case, 8 + 500, out of a full bucket.
-        assert reply.headers["x-ratelimit-remaining-tokens"] == str(6000 - 508)
+        # Charged at admission: the worst case, 9 + 500, out of a full bucket.
+        assert reply.headers["x-ratelimit-remaining-tokens"] == str(6000 - 509)
         await wait_settled(gw)
         tokens = await tenant_tokens(s, gw)
-    assert tokens == {"reserved": 508, "refunded": 508 - 13, "prompt": 10, "completion": 3}
-    # The bucket got the unused 495 back: only the 13 actually used (plus refill) are gone.
+    assert tokens == {"reserved": 509, "refunded": 509 - 13, "prompt": 10, "completion": 3}
+    # The bucket got the unused 496 back: only the 13 actually used (plus refill) are gone.
     assert 6000 - 13 <= await remaining(gw, 6000) <= 6000
 
 
@@ -91,7 +92,7 @@ async def test_an_upstream_failure_before_any_token_is_refunded_whole(
         assert reply.status == 502, reply
         await wait_settled(gw)
         tokens = await tenant_tokens(s, gw)
-    assert tokens == {"reserved": 508, "refunded": 508, "prompt": 0, "completion": 0}
+    assert tokens == {"reserved": 509, "refunded": 509, "prompt": 0, "completion": 0}
     assert await remaining(gw, 6000) == 6000
 
 
@@ -121,7 +122,7 @@ async def test_a_client_that_disconnects_mid_stream_pays_the_prompt_and_what_was
         samples = await metrics(s, gw.url)
     charged = PROMPT_ESTIMATE + 1  # the prompt as counted, and the one token streamed
     assert tokens == {
-        "reserved": 508, "refunded": 508 - charged, "prompt": PROMPT_ESTIMATE, "completion": 1,
+        "reserved": 509, "refunded": 509 - charged, "prompt": PROMPT_ESTIMATE, "completion": 1,
     }
     assert 6000 - charged <= await remaining(gw, 6000)
     assert sample(samples, "kvgate_tenant_concurrent_requests", tenant="team") == 0
@@ -145,7 +146,7 @@ async def test_over_the_token_budget_is_refused_with_retry_after_and_rate_limit_
     assert first.headers["x-ratelimit-limit-tokens"] == "1000"
     assert first.headers["x-ratelimit-limit-requests"] == "100"
     assert first.headers["x-ratelimit-remaining-requests"] == "99"
-    assert first.headers["x-ratelimit-remaining-tokens"] == str(1000 - 608)
+    assert first.headers["x-ratelimit-remaining-tokens"] == str(1000 - 609)
 
     assert second.status == 429, second
     error = openai_error(second.raw)

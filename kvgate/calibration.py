@@ -1,0 +1,205 @@
+"""From counted text to vLLM's `prompt_tokens`: an affine model per model and endpoint, fitted
+online from the usage every replica reports.
+
+A chat template adds a fixed number of tokens per message (role markers, separators) and per
+request (the reply primer, a BOS, a default system prompt), and a tokenizer that is not the
+model's own miscounts text by some ratio. One ratio per model, as kvgate had before, cannot
+fix the first kind of error: on short chat messages it was off by up to 60%, and the ratio it
+learned on chats then over-counted `/v1/completions` by 19%. So the estimate is
+
+    prompt_tokens ≈ ratio × text_tokens + per_message × messages + per_request × prompts
+
+with `text_tokens` the tokenizer's count of the text alone (or of the fully rendered chat
+template, when kvgate has the model's own), `messages` the chat messages (a tools block counts
+as one) and `prompts` the prompts of a completions call (1 for a chat). Each (model, endpoint)
+has its own terms, starting from a prior (the configured template overhead) and fitted by
+ridge regression towards that prior over exponentially decayed sufficient statistics: O(1) per
+observation, a 3×3 solve per refit (within bounds), no history kept. Every term stays within bounds, so no
+odd response can move the estimate far; the estimate is rounded up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+# Each observation's weight decays by this factor per later observation (~200-sample memory).
+DECAY = 0.995
+# The prior counts as this many observations; it dominates until real ones outweigh it.
+PRIOR_WEIGHT = 4.0
+PER_MESSAGE_BOUNDS = (0.0, 64.0)
+PER_REQUEST_BOUNDS = (-8.0, 2048.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What the counter saw of one request's prompt."""
+
+    text_tokens: int
+    messages: int = 0
+    prompts: int = 1
+
+    def vector(self) -> tuple[float, float, float]:
+        return (float(self.text_tokens), float(self.messages), float(self.prompts))
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    ratio: float = 1.0
+    per_message: float = 0.0
+    per_request: float = 0.0
+
+    def estimate(self, features: Features) -> int:
+        value = (
+            self.ratio * features.text_tokens
+            + self.per_message * features.messages
+            + self.per_request * features.prompts
+        )
+        return max(0, math.ceil(value - 1e-6))
+
+    def vector(self) -> tuple[float, float, float]:
+        return (self.ratio, self.per_message, self.per_request)
+
+
+@dataclass(slots=True)
+class _Fit:
+    prior: Terms
+    terms: Terms
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    weight: float = 0.0  # decayed number of observations
+    error: float = 0.0  # decayed mean of (estimate − actual) / actual, before each refit
+    actual_over_estimate: float = 1.0  # decayed mean, for the one-number gauge
+
+
+class Calibration:
+    """The affine estimate per (model, endpoint). Not thread-safe; used on the event loop."""
+
+    def __init__(self, low: float = 0.8, high: float = 1.5) -> None:
+        self.low, self.high = low, high
+        self._fits: dict[tuple[str, str], _Fit] = {}
+
+    def terms(self, model: str, endpoint: str, prior: Terms) -> Terms:
+        fit = self._fits.get((model, endpoint))
+        return fit.terms if fit is not None else self._bounded(prior)
+
+    def estimate(self, model: str, endpoint: str, features: Features, prior: Terms) -> int:
+        return self.terms(model, endpoint, prior).estimate(features)
+
+    def observe(
+        self, model: str, endpoint: str, features: Features, actual: int, prior: Terms
+    ) -> Terms:
+        """Fold in one request's true `prompt_tokens`; returns the refitted terms."""
+        if actual <= 0 or features.text_tokens < 0:
+            return self.terms(model, endpoint, prior)
+        fit = self._fits.get((model, endpoint))
+        if fit is None or fit.prior != prior:  # a reload that changes the prior starts afresh
+            fit = self._fits[(model, endpoint)] = _Fit(prior, self._bounded(prior))
+        estimated = fit.terms.estimate(features)
+        fit.error = _decayed(fit.error, (estimated - actual) / actual, fit.weight)
+        if estimated > 0:
+            fit.actual_over_estimate = _decayed(
+                fit.actual_over_estimate, actual / estimated, fit.weight
+            )
+        x = features.vector()
+        for i in range(3):
+            fit.xy[i] = DECAY * fit.xy[i] + x[i] * actual
+            for j in range(3):
+                fit.xx[i][j] = DECAY * fit.xx[i][j] + x[i] * x[j]
+        fit.weight = DECAY * fit.weight + 1.0
+        fit.terms = self._refit(fit)
+        return fit.terms
+
+    def error(self, model: str, endpoint: str) -> float | None:
+        """Recent mean of (estimate − actual) / actual: negative means under-counting."""
+        fit = self._fits.get((model, endpoint))
+        return None if fit is None else fit.error
+
+    def ratio(self, model: str) -> float:
+        """Recent actual ÷ estimate over the model's endpoints (1.0 when nothing is known)."""
+        fits = [f for (m, _), f in self._fits.items() if m == model]
+        if not fits:
+            return 1.0
+        total = sum(f.weight for f in fits)
+        return sum(f.actual_over_estimate * f.weight for f in fits) / total
+
+    def items(self) -> Iterator[tuple[str, str, Terms]]:
+        for (model, endpoint), fit in self._fits.items():
+            yield model, endpoint, fit.terms
+
+    def _refit(self, fit: _Fit) -> Terms:
+        """Ridge regression towards the prior: (XᵀX + Λ) θ = Xᵀy + Λ θ₀, with Λ scaled to each
+        feature's mean square so that whatever the units the prior weighs PRIOR_WEIGHT
+        observations at first and fades as observations come (a ridge that kept its weight
+        would bias a well-determined fit); it still settles what the data leave open (all
+        chats with two messages cannot tell per_message from per_request)."""
+        n = max(fit.weight, 1e-9)
+        prior = fit.prior.vector()
+        a = [row[:] for row in fit.xx]
+        b = fit.xy[:]
+        fading = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + n)
+        for i in range(3):
+            strength = fading * max(fit.xx[i][i] / n, 1.0)
+            a[i][i] += strength
+            b[i] += strength * prior[i]
+        return self._solve_bounded(a, b, fit.terms)
+
+    def _solve_bounded(self, a: list[list[float]], b: list[float], fallback: Terms) -> Terms:
+        """Solve within the bounds: a term that falls outside is fixed at its bound and the
+        others are solved again with it (clamping each alone could leave a combination that
+        fits nothing)."""
+        bounds = ((self.low, self.high), PER_MESSAGE_BOUNDS, PER_REQUEST_BOUNDS)
+        fixed: dict[int, float] = {}
+        for _ in range(3):
+            free = [i for i in range(3) if i not in fixed]
+            rhs = [b[i] - sum(a[i][j] * v for j, v in fixed.items()) for i in free]
+            sub = [[a[i][j] for j in free] for i in free]
+            solved = _solve(sub, rhs)
+            if solved is None:
+                return fallback
+            values = dict(fixed)
+            values.update(zip(free, solved, strict=True))
+            outside = {
+                i: min(bounds[i][1], max(bounds[i][0], values[i]))
+                for i in free if not bounds[i][0] <= values[i] <= bounds[i][1]
+            }
+            if not outside:
+                return Terms(values[0], values[1], values[2])
+            fixed.update(outside)
+            if len(fixed) == 3:
+                break
+        return Terms(fixed[0], fixed[1], fixed[2])
+
+    def _bounded(self, terms: Terms) -> Terms:
+        return Terms(
+            min(self.high, max(self.low, terms.ratio)),
+            min(PER_MESSAGE_BOUNDS[1], max(PER_MESSAGE_BOUNDS[0], terms.per_message)),
+            min(PER_REQUEST_BOUNDS[1], max(PER_REQUEST_BOUNDS[0], terms.per_request)),
+        )
+
+
+def _decayed(mean: float, sample: float, weight: float) -> float:
+    """A running mean whose memory is the same ~1/(1 − DECAY) observations as the fit's."""
+    w = DECAY * weight
+    return (mean * w + sample) / (w + 1.0)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a small linear system by Gaussian elimination with partial pivoting; None if it
+    is singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= factor * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out

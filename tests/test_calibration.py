@@ -1,0 +1,74 @@
+"""The affine estimate of vLLM's prompt_tokens: its prior, its online fit, its bounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvgate.calibration import Calibration, Features, Terms
+
+CHATML = Terms(1.0, 5.0, 3.0)
+
+
+def test_before_any_observation_the_prior_is_the_estimate():
+    calibration = Calibration()
+    features = Features(100, messages=2, prompts=1)
+    assert calibration.estimate("m", "chat", features, CHATML) == 100 + 2 * 5 + 3
+
+
+def test_a_fixed_cost_per_message_is_learned_which_one_ratio_could_not_fix():
+    # The real template costs 9 per message and 25 per request (a default system prompt);
+    # the tokenizer counts text 5% low. Short and long messages alike.
+    rng = random.Random(1)
+    calibration = Calibration()
+    samples = []
+    for _ in range(400):
+        messages = rng.randint(1, 12)
+        text = sum(rng.choice((3, 8, 40, 400)) for _ in range(messages))
+        features = Features(text, messages, 1)
+        actual = round(1.05 * text) + 9 * messages + 25
+        samples.append((features, actual))
+        calibration.observe("m", "chat", features, actual, CHATML)
+    terms = calibration.terms("m", "chat", CHATML)
+    assert terms.ratio == pytest.approx(1.05, abs=0.01)
+    assert terms.per_message == pytest.approx(9, abs=0.5)
+    assert terms.per_request == pytest.approx(25, abs=2)
+    errors = [(terms.estimate(f) - a) / a for f, a in samples[-100:]]
+    assert sum(abs(e) for e in errors) / len(errors) < 0.02
+    assert calibration.error("m", "chat") == pytest.approx(0, abs=0.02)
+
+
+def test_endpoints_are_fitted_apart_so_chats_do_not_skew_completions():
+    calibration = Calibration()
+    for text in range(10, 400, 7):
+        calibration.observe("m", "chat", Features(text, 2, 1), text + 40, CHATML)
+        calibration.observe("m", "completions", Features(text, 0, 1), text, Terms())
+    assert calibration.estimate("m", "completions", Features(200, 0, 1), Terms()) == 200
+    assert calibration.estimate("m", "chat", Features(200, 2, 1), CHATML) == 240
+
+
+def test_terms_stay_within_bounds_whatever_the_replica_reports():
+    high, low = Calibration(low=0.8, high=1.5), Calibration(low=0.8, high=1.5)
+    for text in range(100, 1000, 10):
+        high.observe("m", "chat", Features(text, 1, 1), 100 * text, CHATML)
+        low.observe("m", "chat", Features(text, 1, 1), 1, CHATML)
+    terms = high.terms("m", "chat", CHATML)
+    assert terms.ratio == 1.5 and terms.per_message == 64 and terms.per_request == 2048
+    terms = low.terms("m", "chat", CHATML)
+    assert terms.ratio == 0.8 and terms.per_message == 0 and terms.per_request == -8
+
+
+def test_within_its_bounds_the_fit_still_matches_what_it_can():
+    # Features that never vary cannot separate the terms; the estimate must still fit them.
+    calibration = Calibration()
+    for _ in range(300):
+        calibration.observe("m", "chat", Features(100, 2, 1), 180, CHATML)
+    assert calibration.estimate("m", "chat", Features(100, 2, 1), CHATML) == pytest.approx(180, abs=1)
+
+
+def test_the_one_number_ratio_reads_actual_over_estimate():
+    calibration = Calibration()
+    assert calibration.ratio("m") == 1.0
+    calibration.observe("m", "chat", Features(100, 1, 1), 216, CHATML)  # estimate 108
+    assert calibration.ratio("m") == pytest.approx(2.0)
