@@ -10,7 +10,9 @@
      │    ├── NotFound                404 code=model_not_found / unknown_url
      │    ├── MethodNotAllowed        405
      │    ├── PayloadTooLarge         413
-     │    └── RateLimited             429 code=rate_limited / queue_full / queue_timeout
+     │    └── RateLimited             429 code=queue_full / queue_timeout: no KV capacity in time
+     │         └── OverBudget         429 code=rate_limit_exceeded, type=requests / tokens /
+     │                                    concurrency: a tenant's limit, as OpenAI answers it
      └── ServerError                  5xx: kvgate or a replica could not serve
           ├── UpstreamError           502 the replica failed or answered 5xx
           ├── NoReplica               503 no healthy replica can take the request
@@ -23,6 +25,7 @@ OpenAI `code` where one exists.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,7 +113,10 @@ class PayloadTooLarge(ClientError):
 
 
 class RateLimited(ClientError):
-    """429. `code` tells which limit: rate_limited, queue_full or queue_timeout."""
+    """429. `code` tells why: queue_full or queue_timeout (kvgate's own capacity).
+
+    `Retry-After` is whole seconds (at least 1, as HTTP has it); `retry-after-ms` carries the
+    computed figure, which OpenAI's clients read first."""
 
     status = 429
     type = "rate_limit_exceeded"
@@ -125,10 +131,30 @@ class RateLimited(ClientError):
         headers: Mapping[str, str] | None = None,
     ) -> None:
         merged = dict(headers or {})
-        merged["Retry-After"] = str(max(1, round(retry_after_s + 0.499)))
+        merged["Retry-After"] = str(max(1, math.ceil(retry_after_s - 1e-3)))
+        merged["retry-after-ms"] = str(max(1, math.ceil(retry_after_s * 1000)))
         super().__init__(message, code=code, headers=merged)
         self.retry_after_s = retry_after_s
         self.refusal_reason = self.code or "rate_limited"
+
+
+class OverBudget(RateLimited):
+    """429 for a tenant's own limit, in OpenAI's shape: code rate_limit_exceeded, and `type`
+    naming the limit (requests, tokens, concurrency)."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str,
+        retry_after_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, headers=headers)
+        self.type = limit
+        self.refusal_reason = "concurrency_limit" if limit == "concurrency" else "rate_limited"
 
 
 class ServerError(KvgateError):

@@ -17,11 +17,12 @@ import ipaddress
 import logging
 import math
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.config import AuthConfig, TenantConfig
-from kvgate.errors import BadRequest, Forbidden, KvgateError, RateLimited, Unauthorized
+from kvgate.errors import BadRequest, Forbidden, KvgateError, OverBudget, Unauthorized
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
@@ -123,6 +124,7 @@ class Budgets:
         self.store = store
         self.metrics = metrics
         self.keeper = keeper
+        self._durations: dict[str, float] = {}  # recent mean request duration per tenant
 
     @contextlib.asynccontextmanager
     async def charge(
@@ -144,11 +146,13 @@ class Budgets:
             async with _settling(charge):
                 await self._refund(charge, worst_tokens, tpm)
 
+        started = time.monotonic()
         async with self._concurrency(tenant, max_hold_s):
             await acquire(self._take(charge, rpm, tpm), give_back)
             try:
                 yield charge
             finally:
+                self._observe_duration(tenant.name, time.monotonic() - started)
                 if not charge.settled:
                     charge.settled = True
                     await finish(give_back())
@@ -194,20 +198,20 @@ class Budgets:
                     _bucket(name, "tokens"), tpm
                 )
                 headers = rate_limit_headers(rpm, requests, tpm, tokens)
-                raise RateLimited(
+                raise OverBudget(
                     f"tenant {name!r} is over its {rpm.capacity} requests per minute",
-                    retry_after_s=requests.retry_after_s, headers=headers,
+                    limit="requests", retry_after_s=requests.retry_after_s, headers=headers,
                 )
         if tpm is not None:
             tokens = await self.store.take(_bucket(name, "tokens"), charge.reserved_tokens, tpm)
             if not tokens.allowed:
                 if rpm is not None:
                     await self.store.put_back(_bucket(name, "requests"), 1, rpm)
-                raise RateLimited(
+                raise OverBudget(
                     f"tenant {name!r} is over its {tpm.capacity} tokens per minute: this "
                     f"request may use {charge.reserved_tokens} and {max(0, tokens.remaining)} "
                     "are left",
-                    retry_after_s=tokens.retry_after_s,
+                    limit="tokens", retry_after_s=tokens.retry_after_s,
                     headers=rate_limit_headers(rpm, requests, tpm, tokens),
                 )
             self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
@@ -241,9 +245,10 @@ class Budgets:
                 await self._release_lease(tenant, pool, lease)
 
         if not await acquire(self.store.try_acquire(pool, lease, 1, limit, ttl_s), release):
-            raise RateLimited(
+            raise OverBudget(
                 f"tenant {tenant.name!r} already has {limit} requests in flight",
-                code="concurrency_limit", retry_after_s=1.0,
+                limit="concurrency", retry_after_s=self._next_release_s(tenant.name, limit),
+                headers=await self._current_headers(tenant),
             )
         if keeper is not None:
             keeper.add(pool, lease, max_age_s=max_hold_s, on_stale=release)
@@ -253,6 +258,30 @@ class Budgets:
         finally:
             gauge.dec()
             await finish(release())
+
+    def _observe_duration(self, tenant: str, seconds: float) -> None:
+        mean = self._durations.get(tenant)
+        self._durations[tenant] = seconds if mean is None else 0.8 * mean + 0.2 * seconds
+
+    def _next_release_s(self, tenant: str, limit: int) -> float:
+        """When one of `limit` requests in flight is likely to end: with requests lasting
+        `d` on average and ending at random, one of `limit` ends every d / limit."""
+        mean = self._durations.get(tenant)
+        return 1.0 if mean is None else min(60.0, max(0.05, mean / limit))
+
+    async def _current_headers(self, tenant: TenantConfig) -> dict[str, str]:
+        """The x-ratelimit-* headers as the buckets stand, without taking anything."""
+        tpm, rpm = _limits(tenant)
+        try:
+            requests = None if rpm is None else await self.store.peek(
+                _bucket(tenant.name, "requests"), rpm
+            )
+            tokens = None if tpm is None else await self.store.peek(
+                _bucket(tenant.name, "tokens"), tpm
+            )
+        except (StateStoreError, KvgateError):
+            return {}
+        return rate_limit_headers(rpm, requests, tpm, tokens)
 
     async def _release_lease(self, tenant: TenantConfig, pool: str, lease: str) -> None:
         try:

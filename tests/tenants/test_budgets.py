@@ -150,10 +150,11 @@ async def test_over_the_token_budget_is_refused_with_retry_after_and_rate_limit_
 
     assert second.status == 429, second
     error = openai_error(second.raw)
-    assert (error["type"], error["code"]) == ("rate_limit_exceeded", "rate_limited")
+    assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")  # as OpenAI's
     assert "1000 tokens per minute" in error["message"]
-    # 610 used, so ~390 left: 608 fit again after ~(608 - 390) / (1000/60 per s) ≈ 13 s.
+    # 610 used, so ~390 left: 609 fit again after ~(609 - 390) / (1000/60 per s) ≈ 13 s.
     assert 11 <= int(second.headers["retry-after"]) <= 15
+    assert 11_000 <= int(second.headers["retry-after-ms"]) <= 15_000
     for name in RATE_LIMIT_HEADERS:
         assert name in second.headers, name
     assert 380 <= int(second.headers["x-ratelimit-remaining-tokens"]) <= 400
@@ -181,9 +182,11 @@ async def test_requests_per_minute_are_enforced_with_all_six_headers(
     assert [r.headers["x-ratelimit-remaining-requests"] for r in replies] == ["2", "1", "0", "0"]
     refused = replies[-1]
     error = openai_error(refused.raw)
-    assert (error["type"], error["code"]) == ("rate_limit_exceeded", "rate_limited")
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
     assert "3 requests per minute" in error["message"]
-    assert 15 <= int(refused.headers["retry-after"]) <= 21  # one request per 20 s
+    # computed from the bucket's refill (one request per 20 s), not a constant
+    assert 15 <= int(refused.headers["retry-after"]) <= 21
+    assert 15_000 <= int(refused.headers["retry-after-ms"]) <= 21_000
     for name in RATE_LIMIT_HEADERS:
         assert name in refused.headers, name
     assert refused.headers["x-ratelimit-limit-tokens"] == "100000"
@@ -195,7 +198,9 @@ async def test_concurrent_requests_over_the_limit_are_refused_and_the_count_retu
 ):
     gate = asyncio.Event()
     stub = await stub_factory(chunks=3, gate=gate)
-    gw = await gateway_factory(one_tenant(stub.url, max_concurrent=2))
+    gw = await gateway_factory(
+        one_tenant(stub.url, max_concurrent=2, tokens_per_minute=100_000, requests_per_minute=60)
+    )
     async with aiohttp.ClientSession() as s:
         streams = [
             await s.post(f"{gw.url}/v1/chat/completions", json=chat(stream=True))
@@ -211,8 +216,11 @@ async def test_concurrent_requests_over_the_limit_are_refused_and_the_count_retu
         refused = await post(s, gw.url, chat())
         assert refused.status == 429, refused
         error = openai_error(refused.raw)
-        assert (error["type"], error["code"]) == ("rate_limit_exceeded", "concurrency_limit")
+        assert (error["type"], error["code"]) == ("concurrency", "rate_limit_exceeded")
         assert int(refused.headers["retry-after"]) >= 1
+        for name in RATE_LIMIT_HEADERS:  # the budgets as they stand, nothing taken
+            assert name in refused.headers, name
+        assert refused.headers["x-ratelimit-remaining-requests"] == "58"
         assert len(stub.received) == 2
 
         gate.set()
@@ -225,6 +233,25 @@ async def test_concurrent_requests_over_the_limit_are_refused_and_the_count_retu
         assert sample(samples, "kvgate_tenant_concurrent_requests", tenant="team") == 0
         again = await post(s, gw.url, chat())
         assert again.status == 200, again
+
+
+async def test_a_concurrency_refusal_retries_after_the_tenants_typical_request_ends(
+    stub_factory, gateway_factory
+):
+    stub = await stub_factory(chunks=3, delay_headers_s=0.4)  # each request lasts ~0.4 s
+    gw = await gateway_factory(one_tenant(stub.url, max_concurrent=2))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            assert (await post(s, gw.url, chat())).status == 200
+        busy = [asyncio.create_task(post(s, gw.url, chat())) for _ in range(2)]
+        while await gw.gateway.store.held(concurrency_pool("team")) < 2:
+            await asyncio.sleep(0.01)
+        refused = await post(s, gw.url, chat())
+        await asyncio.gather(*busy)
+    assert refused.status == 429, refused
+    # two requests of ~0.4 s in flight: one ends every ~0.2 s
+    assert 150 <= int(refused.headers["retry-after-ms"]) <= 400
+    assert refused.headers["retry-after"] == "1"
 
 
 class LateAnswers:
