@@ -87,7 +87,9 @@ async def stream(
                         last = finish if i == ready - 1 else None
                         await send(choice.chunks.tokens(i, i + 1, last), 1)
                 choice.sent = ready
-            if reason is not None:  # as read before the writes: later tokens wait a turn
+            # `reason` was read with `ready`: a choice that ended during the writes above
+            # still has tokens to send, and is marked ended on the next turn.
+            if reason is not None:
                 choice.ended = ended = True
         if ended:
             pending = [c for c in pending if not c.ended]

@@ -26,7 +26,7 @@ TOOLS: list[Any] = [
         },
     },
 ]
-WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER: Any = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture
@@ -258,7 +258,8 @@ async def test_text_response_format_is_plain_and_any_other_is_400(
     reply = await ok(http, replica, "/v1/chat/completions",
                      chat(response_format={"type": "text"}))  # fmt: skip
     assert reply["choices"][0]["message"]["content"] == " the model served a request"
-    for bad in ({"type": "xml"}, "json", {"schema": {}}):
+    bad_formats: list[Any] = [{"type": "xml"}, "json", {"schema": {}}]
+    for bad in bad_formats:
         status, answer = await post(http, replica, "/v1/chat/completions",
                                     chat(response_format=bad))  # fmt: skip
         assert status == 400 and answer["error"]["param"] == "response_format"
