@@ -56,9 +56,10 @@ class RequestInfo:
     tenant: str = "unknown"
     disconnected: bool = False  # the client left before it had the whole answer
     delivered: bool = False  # the client was sent the whole answer
-    prompt_tokens: int | None = None
+    replica: str | None = None
+    prompt_tokens: int | None = None  # kvgate's estimate of vLLM's count
     reserved_blocks: int | None = None
-    charged_tokens: int | None = None
+    charged_tokens: int | None = None  # what the tenant paid in the end
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class Gateway:
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
-                    info.reserved_blocks = slot.worst_case_blocks
+                    info.reserved_blocks, info.replica = slot.worst_case_blocks, slot.replica.id
                     return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
                 await self.settle(charge, parsed, count, bound, outcome, info)

@@ -18,6 +18,7 @@ from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
 from kvgate.requests import Endpoint
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("kvgate.access")  # one JSON line per request, when enabled
 
 GATEWAY = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -35,17 +36,20 @@ def error_response(error: KvgateError, request_id: str | None = None) -> web.Res
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves here as OpenAI's error body; client mistakes never as a 500."""
+    """Every failure leaves here as OpenAI's error body; client mistakes never as a 500. Every
+    API request is counted (and, with server.access_log, logged) here once, by outcome."""
     info = new_request_info(request)
     request[REQUEST_INFO] = info
     gateway = request.app[GATEWAY]
     try:
         response = await handler(request)
     except asyncio.CancelledError:  # the client went away; everything held was released
-        gateway.metrics.requests.labels(info.model, info.pool, info.tenant, "disconnected").inc()
+        # a client that hangs up once it has [DONE] got its answer: that is not a disconnect
+        _record(gateway, info, "ok" if info.delivered else "disconnected", 499)
         raise
     except KvgateError as exc:
-        _count(gateway, info, exc)
+        _record(gateway, info, "refused" if exc.status < 500 else "upstream_error", exc.status)
+        gateway.metrics.refusals.labels(info.pool, info.tenant, exc.refusal_reason).inc()
         return error_response(exc, info.request_id)
     except web.HTTPException as exc:
         error = _from_http(exc)
@@ -55,7 +59,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
-        _count(gateway, info, error)
+        _record(gateway, info, "upstream_error", error.status)
+        gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
         outcome = "ok" if response.status < 400 else "upstream_error"
@@ -63,17 +68,22 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             outcome = "client_error"
         if info.disconnected:
             outcome = "disconnected"
-        gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
-        gateway.metrics.duration.labels(info.pool, info.model).observe(
-            time.monotonic() - info.started
-        )
+        _record(gateway, info, outcome, response.status)
     return response
 
 
-def _count(gateway: Gateway, info: RequestInfo, error: KvgateError) -> None:
-    outcome = "refused" if error.status < 500 else "upstream_error"
+def _record(gateway: Gateway, info: RequestInfo, outcome: str, status: int) -> None:
+    duration = time.monotonic() - info.started
     gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
-    gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
+    if outcome in ("ok", "disconnected", "client_error"):
+        gateway.metrics.duration.labels(info.pool, info.model).observe(duration)
+    if gateway.runtime.config.server.access_log:
+        access_log.info("%s", orjson.dumps({
+            "request_id": info.request_id, "tenant": info.tenant, "model": info.model,
+            "pool": info.pool, "replica": info.replica, "status": status, "outcome": outcome,
+            "prompt_tokens": info.prompt_tokens, "reserved_blocks": info.reserved_blocks,
+            "charged_tokens": info.charged_tokens, "duration_s": round(duration, 4),
+        }).decode())
 
 
 def _from_http(exc: web.HTTPException) -> KvgateError | None:

@@ -85,15 +85,10 @@ async def serve(
     started: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM; SIGHUP reloads. Drains in-flight requests on the way out."""
-    if config.server.access_log:
-        runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=config.server.drain_s
-        )
-    else:
-        runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=config.server.drain_s,
-            access_log=None,
-        )
+    # kvgate writes its own access log line (kvgate.access, with the request's books)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=config.server.drain_s, access_log=None,
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()

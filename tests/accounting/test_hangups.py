@@ -12,9 +12,8 @@ import asyncio
 import random
 from typing import Any
 
-import orjson
-
 from kvgate.state.base import StateStore
+from tests.accounting.clients import hang_up_at_done
 from tests.plugins.gateway import gateway_config, wait_settled
 
 HANGUPS = 200
@@ -23,30 +22,6 @@ HANGUPS = 200
 def system_prompt(i: int) -> str:
     # Long enough that its full blocks are reserved as a shared prefix of their own.
     return f"You are assistant number {i}. " + "Answer briefly and cite sources. " * 30
-
-
-async def hang_up_at_done(url: str, body: dict[str, Any]) -> bool:
-    """Stream a completion over a raw socket and abort the connection the moment `[DONE]`
-    arrives, before kvgate has finished the response (as many clients do)."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    payload = orjson.dumps(body)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvgate\r\n"
-        b"Content-Type: application/json\r\n"
-        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
-    )
-    seen = b""
-    try:
-        while b"[DONE]" not in seen:
-            chunk = await reader.read(65536)
-            if not chunk:
-                return False
-            seen += chunk
-        assert seen.startswith(b"HTTP/1.1 200"), seen[:200]
-        return True
-    finally:
-        writer.transport.abort()
 
 
 async def test_hanging_up_at_done_hundreds_of_times_leaves_every_ledger_at_zero(

@@ -244,8 +244,11 @@ async def test_a_concurrency_refusal_retries_after_the_tenants_typical_request_e
         for _ in range(3):
             assert (await post(s, gw.url, chat())).status == 200
         busy = [asyncio.create_task(post(s, gw.url, chat())) for _ in range(2)]
-        while await gw.gateway.store.held(concurrency_pool("team")) < 2:
-            await asyncio.sleep(0.01)
+
+        async def both_in_flight() -> bool:
+            return await gw.gateway.store.held(concurrency_pool("team")) == 2
+
+        await eventually(both_in_flight, what="two requests in flight")
         refused = await post(s, gw.url, chat())
         await asyncio.gather(*busy)
     assert refused.status == 429, refused

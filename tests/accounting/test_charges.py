@@ -1,0 +1,100 @@
+"""A tenant pays for what the replica processed, however the request ends.
+
+Measured against the simulator's own counters of prompt and generated tokens: a completed
+request, a stream the client leaves midway, and a non-streamed request the client gives up on
+(kvgate cannot get its usage, so it charges the time the replica had at its observed pace —
+before this, the whole charge was refunded and timing out beat the budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.plugins.gateway import gateway_config, wait_settled
+from tests.tenants.support import metrics, sample
+
+PROMPT = [
+    {"role": "system", "content": "You are a careful assistant. " * 20},
+    {"role": "user", "content": "Write a long essay about block allocation."},
+]
+
+
+def body(max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    return {"model": "sim-model", "messages": PROMPT, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+
+
+async def charged_tokens(session: aiohttp.ClientSession, url: str) -> float:
+    samples = await metrics(session, url)
+    return sum(sample(samples, "kvgate_tenant_tokens_total", tenant="team", kind=kind) or 0.0
+               for kind in ("prompt", "completion"))
+
+
+class Books:
+    """The tenant's charge and the replica's processed tokens, before and after one request."""
+
+    def __init__(self, session: aiohttp.ClientSession, gw: Any, sim: Any) -> None:
+        self.session, self.gw, self.sim = session, gw, sim
+
+    def processed(self) -> int:
+        stats = self.sim.engine.stats
+        return int(stats.prompt_tokens + stats.generation_tokens)
+
+    async def around(self, request: Any) -> tuple[float, int]:
+        charged, processed = await charged_tokens(self.session, self.gw.url), self.processed()
+        await request
+        await wait_settled(self.gw)
+        await asyncio.sleep(0.05)  # the simulator's step that noticed the abort
+        return (await charged_tokens(self.session, self.gw.url) - charged,
+                self.processed() - processed)
+
+
+@pytest.fixture
+async def books(sim_factory, gateway_factory):
+    # time_scale 1: one sequence decodes at ~160 tokens/s, slow enough to leave midway
+    sim = await sim_factory(num_gpu_blocks=2048, max_model_len=4096, time_scale=1.0)
+    config = gateway_config(
+        [sim.url], auth={"mode": "none", "anonymous_tenant": "team"},
+        tenants=[{"name": "team", "tokens_per_minute": 1_000_000}],
+    )
+    gw = await gateway_factory(config)
+    async with aiohttp.ClientSession() as session:
+        yield Books(session, gw, sim)
+
+
+async def completed(books: Books) -> None:
+    async with books.session.post(f"{books.gw.url}/v1/chat/completions", json=body(120)) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def left_mid_stream(books: Books) -> None:
+    url = f"{books.gw.url}/v1/chat/completions"
+    async with books.session.post(url, json=body(2000, stream=True)) as r:
+        assert r.status == 200
+        for _ in range(60):
+            await r.content.readuntil(b"\n\n")
+        r.close()
+
+
+async def abandoned(books: Books) -> None:
+    url = f"{books.gw.url}/v1/chat/completions"
+    with pytest.raises(TimeoutError):
+        async with books.session.post(url, json=body(2000),
+                                      timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            await r.read()
+
+
+async def test_every_ending_is_charged_what_the_replica_processed(books):
+    # The first completion also teaches kvgate the replica's pace.
+    for ending in (completed, completed, left_mid_stream, abandoned):
+        charged, processed = await books.around(ending(books))
+        assert processed > 0
+        print(f"{ending.__name__}: charged {charged:.0f}, processed {processed}")
+        assert abs(charged - processed) <= 0.05 * processed, (
+            f"{ending.__name__}: charged {charged:.0f} tokens, the replica processed {processed}"
+        )
