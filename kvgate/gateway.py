@@ -122,10 +122,11 @@ class Gateway:
     ) -> Bound:
         """The worst case, from the prompt tokens vLLM is expected to count."""
         terms = self.terms(parsed, count)
+        media = count.media_tokens
         return bound_worst_case(
-            parsed, terms.estimate(count.features), model, tenant, max_model_len,
+            parsed, terms.estimate(count.features) + media, model, tenant, max_model_len,
             prompts=count.features.prompts,
-            longest_prompt=terms.estimate(count.longest or count.features),
+            longest_prompt=terms.estimate(count.longest or count.features) + media,
         )
 
     def terms(self, parsed: ParsedRequest, count: PromptCount) -> Terms:
@@ -205,12 +206,13 @@ class Gateway:
         (nothing reached the replica) are refunded whole when the budget's context exits."""
         usage = outcome.usage
         if usage is not None:
-            prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-            endpoint = parsed.endpoint.name.lower()
-            self.calibration.observe(
-                parsed.model, endpoint, count.features, usage.prompt_tokens, prior
-            )
-            self.export_calibration(parsed.model, endpoint)
+            if not count.media_tokens:  # an image's true cost would only skew the text's fit
+                prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
+                endpoint = parsed.endpoint.name.lower()
+                self.calibration.observe(
+                    parsed.model, endpoint, count.features, usage.prompt_tokens, prior
+                )
+                self.export_calibration(parsed.model, endpoint)
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
         elif (
             outcome.sent_at is None  # never sent

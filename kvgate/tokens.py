@@ -172,6 +172,9 @@ class PromptCount:
     prefix_key: bytes | None = None
     longest: Features | None = None
     templated: bool = False
+    # Non-text parts at their configured cost: added to the estimate, never calibrated (what
+    # an image costs vLLM depends on its size, which would only confuse the text's fit).
+    media_tokens: int = 0
 
     @property
     def prefix(self) -> Features:
@@ -217,7 +220,7 @@ class PromptCounter:
         pending: list[tuple[bytes, str]] = []
         keys: list[bytes] = []
         counts: list[int] = []
-        chars = 0
+        chars = media = 0
         for message in messages:
             content = message.get("content")
             text = message_text(content)
@@ -228,7 +231,8 @@ class PromptCounter:
                 f"{message.get('role')}\x00".encode() + text.encode(), digest_size=16
             ).digest()
             keys.append(key)
-            extra = self.media_part_tokens * media_parts(content)
+            extra = 0
+            media += self.media_part_tokens * media_parts(content)
             if message.get("name"):
                 extra += self.name_tokens + self._count_now(str(message["name"]))
             cached = self._cache.get(key)
@@ -254,15 +258,14 @@ class PromptCounter:
                 messages, tools, add_generation_prompt, template_kwargs, chars
             )
             if rendered is not None:
-                media = self.media_part_tokens * sum(media_parts(m.get("content")) for m in messages)
-                features, templated = Features(rendered + media, units, 1), True
+                features, templated = Features(rendered, units, 1), True
         # The first message (usually the system prompt) is a prefix other requests share:
         # identical bytes give identical tokens, and vLLM caches its full blocks.
         prefix_key = None
         if len(messages) >= 2:
             prefix_key = hashlib.blake2b(keys[0] + tools_text.encode(), digest_size=16).digest()
         return PromptCount(
-            features, counts[0] if prefix_key else 0, prefix_key, features, templated
+            features, counts[0] if prefix_key else 0, prefix_key, features, templated, media
         )
 
     async def count_prompt(self, prompt: str | Sequence[Any]) -> PromptCount:
