@@ -25,13 +25,14 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.config import AdmissionConfig
 from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
+from kvgate.overcommit import Overcommit
 from kvgate.protect import acquire, finish
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
@@ -42,7 +43,13 @@ log = logging.getLogger(__name__)
 
 # While requests wait, look at the shared ledger at least this often: other instances'
 # releases are not announced to this one.
-POLL_INTERVAL_S = 0.05
+POLL_INTERVAL_S = 0.02
+# How often predicted reservations are checked against what their answers have written.
+GROW_INTERVAL_S = 0.05
+# A waiter that has used this share of its wait budget is not passed by smaller requests.
+AGING_SHARE = 0.5
+# Growth is forced: the request already runs, and the ledger must show what it holds.
+UNLIMITED = 1 << 40
 
 
 def ledger_key(replica: Replica) -> str:
@@ -51,7 +58,8 @@ def ledger_key(replica: Replica) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Demand:
-    """What one request needs: its worst case in tokens, and who asks."""
+    """What one request needs: its worst case in tokens (the bound), what to reserve now, and
+    who asks."""
 
     pool: str
     model: str
@@ -63,8 +71,20 @@ class Demand:
     # The longest the request may hold its reservation (its total timeout): a lease held
     # longer was leaked, and the keeper drops it.
     max_hold_s: float | None = None
+    # predicted mode: prompt + the likely output, grown later if the answer outruns it.
+    # None: reserve the worst case (worst_case mode, or nothing known yet).
+    reserve_tokens: int | None = None
+
+    @property
+    def predicted(self) -> bool:
+        return self.reserve_tokens is not None and self.reserve_tokens < self.worst_tokens
 
     def blocks_on(self, replica: Replica) -> int:
+        """Blocks to reserve on `replica` now."""
+        tokens = self.reserve_tokens if self.predicted else self.worst_tokens
+        return math.ceil(tokens / (replica.block_size or 16))  # type: ignore[operator]
+
+    def worst_blocks_on(self, replica: Replica) -> int:
         return math.ceil(self.worst_tokens / (replica.block_size or 16))
 
     def prefix_blocks_on(self, replica: Replica) -> int:
@@ -77,21 +97,46 @@ class Demand:
         return limit is not None and self.worst_tokens > limit
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class Slot:
     """An admitted request's hold on a replica."""
 
     replica: Replica
     lease_id: str
-    blocks: int  # reserved for this request alone
+    blocks: int  # reserved for this request alone (grows with a predicted answer)
     queued_s: float = 0.0
     shared: SharedPrefix | None = None  # the prefix blocks it shares with others
     released: bool = False
     queued: bool = False  # it waited in the queue (was not admitted on arrival)
+    worst_blocks: int = 0  # the request's bound: growth never goes past it
+    # tokens the request has written so far (prompt + output), set by the request path; a
+    # predicted reservation grows ahead of it
+    progress: Callable[[], int] | None = None
 
     @property
-    def worst_case_blocks(self) -> int:
+    def reserved_blocks(self) -> int:
+        """Blocks reserved for the request, its share of the prefix included."""
         return self.blocks + (self.shared.blocks if self.shared else 0)
+
+
+def growth_target(slot: Slot) -> int | None:
+    """The blocks a predicted reservation should hold now, or None if it is still ahead of its
+    answer. It grows before the answer reaches its end — by a quarter of what it holds, at
+    least two blocks — so vLLM finds the blocks it needs already accounted for, and never past
+    the request's worst case."""
+    if slot.progress is None or slot.released:
+        return None
+    size = slot.replica.block_size or 16
+    held = slot.reserved_blocks
+    ceiling = slot.worst_blocks + (slot.shared.blocks if slot.shared else 0)
+    if held >= ceiling:
+        return None
+    written = slot.progress()
+    margin = max(size, held * size // 8)
+    if written + margin <= held * size:
+        return None
+    step = max(2 * size, held * size // 4)
+    return min(ceiling, math.ceil((written + step) / size))
 
 
 def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
@@ -104,7 +149,15 @@ class _PoolQueue:
     queue: FairQueue
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     releases: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    freed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=128))
     worst_cases: deque[int] = field(default_factory=lambda: deque(maxlen=512))
+
+    def freed_per_s(self, now: float) -> float | None:
+        """Blocks given back per second, recently; None while too few releases are known."""
+        if len(self.freed) < 4:
+            return None
+        span = now - self.freed[0][0]
+        return sum(b for _, b in self.freed) / span if span > 0 else None
 
 
 class Admission:
@@ -124,6 +177,16 @@ class Admission:
         self._pools: dict[str, _PoolQueue] = {}
         self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
         self.prefixes = SharedPrefixes()
+        self.overcommit = Overcommit()
+        self._growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
+
+    def limit(self, replica: Replica, demand: Demand, config: AdmissionConfig) -> int | None:
+        """The ledger's limit for this demand here: the admissible blocks, scaled for
+        predicted reservations by how far the replica's own metrics say they can be trusted."""
+        limit = admissible_blocks(replica, config)
+        if limit is None or not demand.predicted:
+            return limit
+        return int(limit * self.overcommit.factor(replica.id))
 
     def _pool(self, name: str) -> _PoolQueue:
         pool = self._pools.get(name)
@@ -154,10 +217,15 @@ class Admission:
         self.metrics.admissions.labels(
             demand.pool, slot.replica.id, "yes" if slot.queued else "no"
         ).inc()
-        self.metrics.worst_case_blocks.labels(demand.pool).observe(slot.worst_case_blocks)
+        self.metrics.worst_case_blocks.labels(demand.pool).observe(
+            demand.worst_blocks_on(slot.replica)
+        )
+        if demand.predicted:
+            self._growing.add(slot)
         try:
             yield slot
         finally:
+            self._growing.discard(slot)
             await self._release(pool, slot)
 
     def _check_can_ever_fit(
@@ -171,11 +239,11 @@ class Admission:
             raise NoReplica(
                 f"no replica in pool {demand.pool!r} has a known KV capacity yet; retry shortly"
             )
-        if all(demand.blocks_on(r) > n for r, n in known):
+        if all(demand.worst_blocks_on(r) > n for r, n in known):
             best = max(known, key=lambda rn: rn[1])
             raise NeverFits(
                 f"this request's worst case is {demand.worst_tokens} tokens = "
-                f"{demand.blocks_on(best[0])} KV blocks, but the largest replica in pool "
+                f"{demand.worst_blocks_on(best[0])} KV blocks, but the largest replica in pool "
                 f"{demand.pool!r} admits at most {best[1]} blocks "
                 f"({config.target_utilization:g} × {best[0].num_gpu_blocks}); "
                 "reduce max_tokens or the prompt",
@@ -191,7 +259,7 @@ class Admission:
     ) -> Slot | None:
         stale = self.stale_after_s()
         for replica in candidates:
-            limit = admissible_blocks(replica, config)
+            limit = self.limit(replica, demand, config)
             if limit is None or demand.blocks_on(replica) > limit or not replica.healthy:
                 continue
             if demand.too_long_for(replica):
@@ -245,7 +313,8 @@ class Admission:
             if shared is not None:
                 await finish(self._unshare(shared))
             return None
-        slot = Slot(replica, lease_id, own, shared=shared)
+        worst_own = demand.worst_blocks_on(replica) - (shared.blocks if shared else 0)
+        slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own))
         self._count(replica.id, own)
         self.keeper.add(
             key, lease_id, max_age_s=demand.max_hold_s,
@@ -284,20 +353,32 @@ class Admission:
         config: AdmissionConfig,
         started: float,
     ) -> Slot:
+        """Queue the demand until the dispatcher places it, within its class's wait budget.
+        One that could not start within the budget at the recent rate of releases is refused
+        at once: waiting it out would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
         ticket = Ticket(demand.tenant, demand.priority, started, (demand, candidates, future))
         refused = pool.queue.push(ticket)
         if refused is ticket:
-            self._refuse_queue_full(demand.pool, ticket, config)
+            raise self._queue_full_error(demand.pool, config)
         if refused is not None:
             _, _, shed_future = refused.payload
             if not shed_future.done():
                 shed_future.set_exception(self._queue_full_error(demand.pool, config))
+        budget = config.queue.budget(demand.priority)
+        expected = self.expected_wait(pool, ticket, config)
+        if expected is not None and expected > budget:
+            pool.queue.remove(ticket)
+            raise RateLimited(
+                f"no KV capacity in pool {demand.pool!r} within this request's wait budget "
+                f"of {budget:g}s (about {expected:.1f}s at the recent rate)",
+                code="wait_budget_exceeded", retry_after_s=expected,
+            )
         self._observe_depth(demand.pool, pool)
         pool.wake.set()
         try:
-            async with asyncio.timeout(config.queue.max_wait_s):
+            async with asyncio.timeout(budget):
                 return await asyncio.shield(future)
         except BaseException as exc:
             # Leaving without the slot (timeout, disconnect, shed): if the dispatcher placed
@@ -308,7 +389,7 @@ class Admission:
                 future.cancel()
             if isinstance(exc, TimeoutError):
                 raise RateLimited(
-                    f"no KV capacity in pool {demand.pool!r} within {config.queue.max_wait_s:g}s",
+                    f"no KV capacity in pool {demand.pool!r} within {budget:g}s",
                     code="queue_timeout",
                     retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
                 ) from None
@@ -320,36 +401,117 @@ class Admission:
                 time.monotonic() - started
             )
 
+    def expected_wait(self, pool: _PoolQueue, ticket: Ticket, config: AdmissionConfig) -> float | None:
+        """Seconds until the blocks of every ticket up to this one are free, at the rate the
+        pool has been freeing blocks; None while that rate is unknown."""
+        rate = pool.freed_per_s(time.monotonic())
+        if rate is None:
+            return None
+        demand, candidates, _ = ticket.payload
+        needed = 0
+        for queued in pool.queue:
+            queued_demand, queued_candidates, _ = queued.payload
+            needed += min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
+            if queued is ticket:
+                break
+        free = 0
+        for replica in candidates:
+            limit = self.limit(replica, demand, config)
+            if limit is not None and replica.healthy:
+                free += max(0, limit - self.reserved.get(replica.id, 0))
+        return max(0.0, needed - free) / rate if rate > 0 else None
+
     async def dispatch(self, pool_name: str) -> None:
-        """Serve one pool's queue head-first until cancelled (one task per pool)."""
+        """Serve one pool's queue in fair order until cancelled (one task per pool).
+
+        A request that does not fit yet does not hold back the smaller ones behind it (no
+        head-of-line blocking across replicas), unless it has used AGING_SHARE of its wait
+        budget: then nothing passes it, so capacity gathers for it and large requests still
+        make progress. Within a pass, once a request of n blocks did not fit, larger ones are
+        not tried."""
         pool = self._pool(pool_name)
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_INTERVAL_S if len(pool.queue) else None):
                     await pool.wake.wait()
             pool.wake.clear()
-            while (ticket := pool.queue.peek()) is not None:
-                demand, candidates, future = ticket.payload
-                if future.done():
-                    pool.queue.remove(ticket)
-                    continue
-                try:
-                    slot = await self._try_place(
-                        demand, candidates, self.config(), ticket.enqueued_at
-                    )
-                except Exception as exc:  # a store failure ends this waiter, not the loop
-                    if not future.done():
-                        future.set_exception(exc)
-                    pool.queue.remove(ticket)
-                    continue
-                if slot is None:
-                    break
-                pool.queue.serve(ticket)
-                slot.queued = True
-                if future.done():  # the waiter left while we were placing it
-                    await self._release(pool, slot)
-                else:
-                    future.set_result(slot)
+            await self._serve_pass(pool)
+
+    async def _serve_pass(self, pool: _PoolQueue) -> None:
+        config = self.config()
+        now = time.monotonic()
+        smallest_refused: int | None = None
+        for ticket in list(pool.queue):
+            demand, candidates, future = ticket.payload
+            if future.done():
+                pool.queue.remove(ticket)
+                continue
+            need = min((demand.blocks_on(r) for r in candidates), default=0)
+            if smallest_refused is not None and need >= smallest_refused:
+                continue
+            try:
+                slot = await self._try_place(demand, candidates, config, ticket.enqueued_at)
+            except Exception as exc:  # a store failure ends this waiter, not the loop
+                if not future.done():
+                    future.set_exception(exc)
+                pool.queue.remove(ticket)
+                continue
+            if slot is None:
+                smallest_refused = need if smallest_refused is None else min(smallest_refused, need)
+                aged = now - ticket.enqueued_at > AGING_SHARE * config.queue.budget(ticket.priority)
+                if aged:
+                    return
+                continue
+            pool.queue.serve(ticket)
+            slot.queued = True
+            if future.done():  # the waiter left while we were placing it
+                await self._release(pool, slot)
+            else:
+                future.set_result(slot)
+
+    async def grow(self) -> None:
+        """Keep every predicted reservation ahead of its answer, until cancelled (one task)."""
+        while True:
+            await asyncio.sleep(GROW_INTERVAL_S)
+            for slot in list(self._growing):
+                target = growth_target(slot)
+                if target is not None:
+                    await self._grow(slot, target)
+
+    async def _grow(self, slot: Slot, total_blocks: int) -> None:
+        own = total_blocks - (slot.shared.blocks if slot.shared else 0)
+        if own <= slot.blocks or slot.released:
+            return
+        key = ledger_key(slot.replica)
+        try:
+            await self.store.try_acquire(
+                key, slot.lease_id, own, UNLIMITED, self.config().lease_ttl_s
+            )
+        except (StateStoreError, KvgateError) as exc:
+            log.warning("could not grow a reservation on %s: %s", key, exc)
+            return
+        if slot.released:  # released while the store grew it: the lease must not come back
+            await finish(self._release_lease(key, slot.lease_id))
+            return
+        self._count(slot.replica.id, own - slot.blocks)
+        slot.blocks = own
+        self.metrics.reservation_growths.labels(slot.replica.pool).inc()
+
+    def after_discovery(self, replicas: Iterable[Replica]) -> None:
+        """A discovery round brought fresh scrapes: steer each replica's overcommit by them,
+        then let the queues try again."""
+        stale = self.stale_after_s()
+        waiting = {name for name, pool in self._pools.items() if len(pool.queue)}
+        for replica in replicas:
+            scrape = replica.fresh_scrape(stale)
+            if scrape is None:
+                continue
+            factor = self.overcommit.observe(
+                replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
+                demand=replica.pool in waiting,
+            )
+            self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
+        self.wake_all()
 
     def wake_all(self) -> None:
         for pool in self._pools.values():
@@ -370,7 +532,9 @@ class Admission:
         key = ledger_key(slot.replica)
         self.keeper.discard(key, slot.lease_id)
         self._count(slot.replica.id, -slot.blocks)
-        pool.releases.append(time.monotonic())
+        now = time.monotonic()
+        pool.releases.append(now)
+        pool.freed.append((now, slot.reserved_blocks))
         try:
             await self._release_lease(key, slot.lease_id)
             if slot.shared is not None:

@@ -105,9 +105,10 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     tasks = [
         _task(discovery_loop(
             session, gateway.registry, lambda: gateway.runtime.config.discovery,
-            gateway.admission.wake_all,
+            lambda: gateway.admission.after_discovery(gateway.registry),
         )),
         _task(gateway.admission.keeper.run()),
+        _task(gateway.admission.grow()),
         _task(_refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
     ]

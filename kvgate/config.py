@@ -138,14 +138,34 @@ class ModelConfig(_Model):
     media_part_tokens: int = Field(1024, ge=0)
 
 
+AdmissionMode = Literal["predicted", "worst_case"]
+
+
 class QueueConfig(_Model):
     max_depth: PositiveInt = 512
-    max_wait_s: PositiveFloat = 30.0
+    max_wait_s: PositiveFloat = 30.0  # no request waits longer, whatever its class
+    # How long a request of each class may wait for KV capacity before it is better refused
+    # (its latency target would be missed anyway): one that cannot start within its budget is
+    # refused at once with Retry-After, not after waiting it out. Capped by max_wait_s.
+    wait_budget_s: dict[PriorityClass, PositiveFloat] = {
+        "critical": 30.0, "standard": 2.0, "sheddable": 1.0,
+    }
+
+    def budget(self, priority: str) -> float:
+        budget = dict(self.wait_budget_s).get(priority)  # type: ignore[call-overload]
+        return self.max_wait_s if budget is None else min(self.max_wait_s, float(budget))
 
 
 class AdmissionConfig(_Model):
     enabled: bool = True  # False: forward at once, reserve nothing
-    # Admit while reserved + worst case ≤ target_utilization × num_gpu_blocks.
+    # predicted: reserve prompt + the output this tenant's answers are likely to need (a high
+    # quantile of recent completions), grow the reservation as the answer grows, and let each
+    # replica's preemptions steer how much is overcommitted. worst_case: reserve prompt +
+    # max_tokens, so vLLM never has to preempt (the guarantee, at a cost in throughput).
+    mode: AdmissionMode = "predicted"
+    # Per priority class, e.g. {critical: worst_case}; a tenant's admission_mode wins over both.
+    class_modes: dict[PriorityClass, AdmissionMode] = {"critical": "worst_case"}
+    # Admit while reserved + this request ≤ target_utilization × num_gpu_blocks.
     target_utilization: float = Field(0.9, gt=0, le=1)
     # Hold admission to a replica whose scraped vllm:num_requests_waiting exceeds this.
     max_replica_waiting: int = Field(4, ge=0)
@@ -175,6 +195,7 @@ class TenantConfig(_Model):
     max_context_tokens: PositiveInt | None = None
     max_tokens_cap: PositiveInt | None = None
     priority: PriorityClass = "standard"
+    admission_mode: AdmissionMode | None = None  # None: the class's or admission.mode
     models: list[str] | None = None  # None: every model
     pools: list[str] | None = None  # None: every pool
 

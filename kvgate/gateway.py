@@ -23,6 +23,7 @@ from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
 from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
+from kvgate.prediction import OutputPredictor
 from kvgate.replicas import Registry, Replica
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
 from kvgate.routing.policies import LeastLoaded, RoutingPolicy
@@ -73,6 +74,7 @@ class Gateway:
     store: StateStore
     metrics: Metrics
     calibration: Calibration
+    predictor: OutputPredictor = field(default_factory=OutputPredictor)
     policy: RoutingPolicy = field(default_factory=LeastLoaded)
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -107,7 +109,10 @@ class Gateway:
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
-                    info.reserved_blocks, info.replica = slot.worst_case_blocks, slot.replica.id
+                    info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
+                    slot.progress = lambda: bound.prompt_tokens + processed_tokens(
+                        parsed, bound, outcome
+                    )
                     return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
                 await self.settle(charge, parsed, count, bound, outcome, info)
@@ -147,7 +152,22 @@ class Gateway:
             prefix_tokens=prefix if count.prefix_key else 0,
             # the request runs at most total_s once forwarded; the lease TTL is the grace
             max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
+            reserve_tokens=self.predicted_tokens(parsed, tenant, bound, config),
         )
+
+    def predicted_tokens(
+        self, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound, config: Config
+    ) -> int | None:
+        """Prompt + the likely output, in predicted mode once this tenant's (or this model's)
+        answers are known; None: reserve the worst case."""
+        admission = config.admission
+        mode = tenant.admission_mode or admission.class_modes.get(tenant.priority, admission.mode)
+        if mode != "predicted":
+            return None
+        likely = self.predictor.predict(tenant.name, parsed.model, bound.max_tokens)
+        if likely is None:
+            return None
+        return (bound.prompt_tokens + bound.prompts * likely) * parsed.sequences
 
     async def forward(
         self,
@@ -161,8 +181,9 @@ class Gateway:
     ) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
         replica = slot.replica
-        replica.inflight[info.key] = lambda: bound.prompt_tokens + outcome.streamed_tokens
         outcome.token_rate = replica.token_rate
+        if slot.progress is not None:
+            replica.inflight[info.key] = slot.progress
         headers = {
             **charge.headers,
             "X-Request-Id": info.request_id,
@@ -171,7 +192,7 @@ class Gateway:
         }
         if rt.config.server.accounting_headers:
             headers["X-Kvgate-Prompt-Tokens"] = str(bound.prompt_tokens)
-            headers["X-Kvgate-Reserved-Blocks"] = str(slot.worst_case_blocks)
+            headers["X-Kvgate-Reserved-Blocks"] = str(slot.reserved_blocks)
         try:
             return await self.relay.forward(
                 request,
@@ -214,6 +235,9 @@ class Gateway:
                 )
                 self.export_calibration(parsed.model, endpoint)
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
+            if outcome.done and not outcome.upstream_failed:
+                sequences = bound.prompts * parsed.sequences
+                self.predictor.observe(info.tenant, parsed.model, completion // sequences)
         elif (
             outcome.sent_at is None  # never sent
             or outcome.status >= 400  # refused by the replica
@@ -254,9 +278,9 @@ class Gateway:
         if outcome.usage is not None:
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
         block_size = slot.replica.block_size or 16
-        if slot.worst_case_blocks > 0:
+        if slot.reserved_blocks > 0:
             self.metrics.efficiency.labels(info.pool).observe(
-                min(1.0, math.ceil(used / block_size) / slot.worst_case_blocks)
+                min(1.0, math.ceil(used / block_size) / slot.reserved_blocks)
             )
 
     def require_model(self, rt: Runtime, model: str) -> None:

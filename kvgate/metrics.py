@@ -75,6 +75,15 @@ class Metrics:
             "written-blocks ratio: positive means traffic kvgate does not see.", ["replica"],
             registry=r,
         )
+        self.overcommit = Gauge(
+            "kvgate_replica_overcommit_ratio", "How far predicted reservations may fill the "
+            "replica's admissible blocks (AIMD on its preemptions and usage; 1 is the plain "
+            "limit).", ["replica", "pool"], registry=r,
+        )
+        self.reservation_growths = Counter(
+            "kvgate_reservation_growths", "Predicted reservations grown because the answer "
+            "outran its prediction.", ["pool"], registry=r,
+        )
         self.headroom = Gauge(
             "kvgate_replica_headroom_requests", "How many more requests of the pool's recent "
             "p95 worst case fit on the replica's ledger.", ["replica", "pool"], registry=r,

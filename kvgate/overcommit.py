@@ -1,0 +1,50 @@
+"""How far admission may trust its predictions on each replica: an AIMD controller fed by the
+replica's own metrics.
+
+Predicted reservations are a bet that answers stay near their usual length. The replica says
+how the bet goes: `vllm:num_preemptions_total` rises when vLLM ran out of blocks mid-decode
+(the bet lost: back off at once, multiplicatively), while `vllm:kv_cache_usage_perc` with room
+to spare and requests waiting in kvgate's queue say blocks are idle that could serve them
+(grow, additively). The factor scales the replica's admissible blocks for predicted-mode
+requests; worst-case requests never see more than the plain limit. Pure: fed one scrape at a
+time, no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOW, HIGH = 0.5, 1.5  # the factor's bounds
+STEP = 0.05  # added per scrape while there is room and demand
+BACKOFF = 0.7  # multiplied on a new preemption
+ROOM = 0.85  # vLLM's own usage below this counts as room
+
+
+@dataclass(slots=True)
+class _Replica:
+    factor: float = 1.0
+    preemptions: float | None = None
+
+
+class Overcommit:
+    def __init__(self) -> None:
+        self._replicas: dict[str, _Replica] = {}
+
+    def factor(self, replica_id: str) -> float:
+        state = self._replicas.get(replica_id)
+        return 1.0 if state is None else state.factor
+
+    def observe(
+        self, replica_id: str, *, preemptions: float | None, kv_usage: float | None, demand: bool
+    ) -> float:
+        """Fold in one fresh scrape; `demand`: requests are waiting for capacity here."""
+        state = self._replicas.setdefault(replica_id, _Replica())
+        before, state.preemptions = state.preemptions, preemptions
+        if preemptions is not None and before is not None and preemptions > before:
+            state.factor = max(LOW, state.factor * BACKOFF)
+        elif demand and kv_usage is not None and kv_usage < ROOM:
+            state.factor = min(HIGH, state.factor + STEP)
+        return state.factor
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(r, s.factor) for r, s in self._replicas.items()]
