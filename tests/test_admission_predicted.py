@@ -1,0 +1,140 @@
+"""Admission on predicted demand: reservations that grow with their answers, a queue without
+head-of-line blocking, and early refusal when a request cannot start within its budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvgate.admission import Admission, Demand, Slot, growth_target, ledger_key
+from kvgate.config import AdmissionConfig, QueueConfig
+from kvgate.errors import RateLimited
+from kvgate.leases import LeaseKeeper
+from kvgate.metrics import Metrics
+from kvgate.state.memory import MemoryStore
+from tests.test_admission import replica
+
+
+def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "standard") -> Demand:
+    return Demand("p", "m", worst, tenant, priority, reserve_tokens=reserve)
+
+
+class Gate:
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.store = MemoryStore()
+        self.config = config
+        self.admission = Admission(self.store, Metrics(), lambda: self.config,
+                                   LeaseKeeper(self.store, 30.0), lambda: 10.0)
+
+    async def held(self, r) -> int:
+        return await self.store.held(ledger_key(r))
+
+
+@pytest.fixture
+async def gate() -> AsyncIterator[Gate]:
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=5, wait_budget_s={"standard": 5})))
+    tasks = [asyncio.create_task(g.admission.dispatch("p")),
+             asyncio.create_task(g.admission.grow())]
+    yield g
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_reservation_grows_before_its_answer_reaches_the_end_and_never_past_the_worst_case():
+    r = replica("a")
+    written = [100]
+    slot = Slot(r, "l", blocks=10, worst_blocks=40, progress=lambda: written[0])
+    assert growth_target(slot) is None  # 100 of 160 tokens written: well ahead
+    written[0] = 150  # within the margin of the end
+    assert growth_target(slot) == 12  # a quarter more than held: (150 + 40) / 16, rounded up
+    written[0] = 2000
+    assert growth_target(slot) == 40
+
+
+async def test_predicted_demand_reserves_the_likely_answer_and_grows_with_it(gate):
+    r = replica("a", blocks=100)
+    written = [0]
+    async with gate.admission.admit(predicted(16 * 10, 16 * 60), [r]) as slot:
+        assert await gate.held(r) == 10 and slot.worst_blocks == 60
+        slot.progress = lambda: written[0]
+        written[0] = 16 * 10  # the answer outran its prediction
+        for _ in range(100):
+            if await gate.held(r) > 10:
+                break
+            await asyncio.sleep(0.01)
+        assert 10 < await gate.held(r) <= 60
+        assert slot.blocks == await gate.held(r)
+    assert await gate.held(r) == 0
+
+
+async def test_predicted_reservations_let_more_requests_in_than_worst_cases(gate):
+    r = replica("a", blocks=100)
+    async with contextlib_stack(gate, r, [predicted(16 * 10, 16 * 60)] * 9) as slots:
+        assert len(slots) == 9 and await gate.held(r) == 90
+    worst = Demand("p", "m", 16 * 60, "t", "standard")
+    async with gate.admission.admit(worst, [r]):
+        with pytest.raises(TimeoutError):  # a second worst case waits: 120 > 100 blocks
+            async with asyncio.timeout(0.3):
+                async with gate.admission.admit(worst, [r]):
+                    pass
+
+
+async def test_a_request_that_fits_nowhere_yet_does_not_hold_back_smaller_ones(gate):
+    r = replica("a", blocks=100)
+    async with gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+        big = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "t", "standard"), r))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):  # passes the big one waiting at the head
+            async with gate.admission.admit(Demand("p", "m", 16 * 30, "u", "standard"), [r]):
+                assert await gate.held(r) == 90
+        assert not big.done()
+    assert await big == 50  # and the big one still gets in once there is room
+
+
+async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once():
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=30, wait_budget_s={"standard": 1})))
+    r = replica("a", blocks=100)
+    pool = g.admission._pool("p")
+    now = time.monotonic()
+    for i in range(4):  # the pool has freed 40 blocks over the last 4 s: 10 per second
+        pool.freed.append((now - 4 + i, 10))
+    async with g.admission.admit(Demand("p", "m", 16 * 90, "t", "standard"), [r]):
+        started = time.monotonic()
+        with pytest.raises(RateLimited) as refused:
+            async with g.admission.admit(Demand("p", "m", 16 * 50, "t", "standard"), [r]):
+                pass
+    assert refused.value.code == "wait_budget_exceeded"
+    assert time.monotonic() - started < 0.5  # refused, not left to wait
+    # 50 blocks needed, 10 free, 10 freed per second: about 4 s
+    assert 3 <= refused.value.retry_after_s <= 6
+
+
+async def enter(gate: Gate, demand: Demand, r) -> int:
+    async with gate.admission.admit(demand, [r]):
+        return await gate.held(r)
+
+
+class contextlib_stack:
+    """Admit every demand and hold them all until the block ends."""
+
+    def __init__(self, gate: Gate, r, demands: list[Demand]) -> None:
+        self.gate, self.r, self.demands = gate, r, demands
+        self.contexts: list = []
+
+    async def __aenter__(self) -> list[Slot]:
+        slots = []
+        for demand in self.demands:
+            context = self.gate.admission.admit(demand, [self.r])
+            slots.append(await context.__aenter__())
+            self.contexts.append(context)
+        return slots
+
+    async def __aexit__(self, *exc: object) -> None:
+        for context in reversed(self.contexts):
+            await context.__aexit__(None, None, None)
