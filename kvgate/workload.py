@@ -16,6 +16,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -43,12 +44,15 @@ class WorkItem:
 class Result:
     kind: str
     tenant: str
-    status: int
+    status: int  # 0: no HTTP answer (connection dropped, timed out) or an error mid-stream
     ttft_s: float | None
     error_code: str | None
     e2e_s: float | None
     pool: str | None
     replica: str | None
+    sent_s: float | None = None  # when it was sent, from the start of the run
+    output_tokens: int | None = None  # the completion's tokens, from the stream's usage
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
 def build_workload(
@@ -106,40 +110,68 @@ async def run_workload(
     targets: dict[str, list[str]] | None = None,
     timeout_s: float = 120.0,
 ) -> list[Result]:
-    """Send every item at its time, streaming. `targets` maps a kind ("short", "long") to base
-    URLs to round-robin over instead of one gateway: the baseline without kvgate."""
+    """Send every item at its time, streaming, and return one result per item, in order.
+
+    `targets` maps a kind ("short", "long") to base URLs to round-robin over instead of one
+    gateway: the baseline without kvgate, or several gateways sharing the load. A request not
+    finished `timeout_s` after it was sent is cancelled and counts as `TimeoutError`."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    turns: Counter[str] = Counter()
+
+    def url_for(item: WorkItem) -> str:
+        if not targets:
+            return base_url
+        urls = targets[item.kind]
+        turns[item.kind] += 1
+        return urls[(turns[item.kind] - 1) % len(urls)]
+
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.monotonic()
 
-        async def one(i: int, item: WorkItem) -> Result:
+        async def one(item: WorkItem) -> Result:
             await asyncio.sleep(max(0.0, item.at_s - (time.monotonic() - start)))
-            body = {**item.body, "stream": True}
+            body = {**item.body, "stream": True, "stream_options": {"include_usage": True}}
             headers = {tenant_header: item.tenant} if tenant_header else {}
             sent = time.monotonic()
-            urls = targets[item.kind] if targets else [base_url]
-            url = f"{urls[i % len(urls)]}/v1/chat/completions"
+            base = url_for(item)
+            failed = partial(Result, item.kind, item.tenant, 0, None, sent_s=sent - start)
             try:
-                async with session.post(url, data=orjson.dumps(body), headers={
-                    **headers, "Content-Type": "application/json"}) as response:
+                async with session.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
+                                        headers={**headers, "Content-Type": "application/json"},
+                                        ) as response:  # fmt: skip
                     pool = response.headers.get("X-Kvgate-Pool")
-                    replica = response.headers.get("X-Kvgate-Replica") or urls[i % len(urls)]
+                    replica = response.headers.get("X-Kvgate-Replica") or base
                     if response.status != 200:
                         data = await response.json(content_type=None)
                         code = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
-                        return Result(item.kind, item.tenant, response.status, None,
-                                      str(code), None, pool, replica)
+                        return Result(item.kind, item.tenant, response.status, None, str(code),
+                                      None, pool, replica, sent - start, None,
+                                      _retry_after(response.headers.get("Retry-After")))
                     ttft = None
+                    output_tokens = None
                     async for line in response.content:
                         if ttft is None and _has_text(line):
                             ttft = time.monotonic() - sent
+                        elif line.startswith(b'data: {"error"'):
+                            return failed("stream_error", None, pool, replica)
+                        elif b'"usage":{' in line and line.startswith(b"data: {"):
+                            usage = orjson.loads(line[6:]).get("usage") or {}
+                            output_tokens = usage.get("completion_tokens")
                     e2e = time.monotonic() - sent
-                    return Result(item.kind, item.tenant, 200, ttft, None, e2e, pool, replica)
+                    return Result(item.kind, item.tenant, 200, ttft, None, e2e, pool, replica,
+                                  sent - start, output_tokens)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                return Result(item.kind, item.tenant, 0, None, type(exc).__name__, None, None, None)
+                return failed(type(exc).__name__, None, None, None)
 
-        return await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
+        return await asyncio.gather(*(one(item) for item in items))
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _has_text(line: bytes) -> bool:
@@ -183,6 +215,22 @@ def summarize(results: list[Result]) -> Summary:
         summary.e2e[kind] = {"p50": percentile(e2es, 0.50), "p99": percentile(e2es, 0.99),
                              "n": len(e2es)}
     return summary
+
+
+def within_slo(result: Result, *, short_ttft_s: float, long_ttft_s: float) -> bool:
+    """Completed, and its first token came within its kind's latency target."""
+    if result.status != 200 or result.ttft_s is None:
+        return False
+    return result.ttft_s <= (long_ttft_s if result.kind == "long" else short_ttft_s)
+
+
+def goodput(
+    results: list[Result], duration_s: float, *, short_ttft_s: float, long_ttft_s: float
+) -> float:
+    """Requests per second of the workload's duration that completed within their latency
+    target (the times all in one unit: wall seconds, or simulated ones)."""
+    good = sum(within_slo(r, short_ttft_s=short_ttft_s, long_ttft_s=long_ttft_s) for r in results)
+    return good / duration_s if duration_s > 0 else 0.0
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -7,23 +7,48 @@ import orjson
 from kvgate.cli import main
 
 
-def test_demo_workload_runs_both_ways_and_kvgate_never_preempts(capsys):
+def test_demo_workload_runs_three_ways_and_worst_case_never_preempts(capsys):
     code = main(["demo", "--workload", "--json", "--duration", "3", "--rate", "30",
                  "--time-scale", "0.5", "--seed", "7"])
     assert code == 0
     report = orjson.loads(capsys.readouterr().out)
     requests = report["workload"]["requests"]
     assert requests > 50 and report["workload"]["long"] > 0
-    bare, gated = report["no_admission"], report["kvgate"]
-    for side in (bare, gated):
+    bare, worst, predicted = report["no_admission"], report["worst_case"], report["predicted"]
+    for side in (bare, worst, predicted):
         assert side["failed"] == 0
         assert side["completed"] + sum(side["refused"].values()) == requests
         assert side["ttft_s"]["short"]["n"] > 0
-    # The same overload preempts on the bare fleet and never through kvgate.
-    assert sum(r["preemptions"] for r in bare["replicas"].values()) > 0
-    assert sum(r["preemptions"] for r in gated["replicas"].values()) == 0
+        # Goodput counts completed requests only, per simulated second of the workload.
+        assert 0 <= side["goodput_per_s"] <= side["completed"] / (3 / 0.5) + 0.001
+        assert side["preemptions"] == sum(r["preemptions"] for r in side["replicas"].values())
+    # The same overload preempts on the bare fleet and never under worst-case admission.
+    assert bare["preemptions"] > 0
+    assert worst["preemptions"] == 0
     # A shared system prompt gives the chat replicas most of their prompt tokens from cache.
-    assert gated["replicas"]["normal-a"]["prefix_hit_rate"] > 0.5
+    assert worst["replicas"]["normal-a"]["prefix_hit_rate"] > 0.5
+    assert worst["prefix_hit_rate"] is not None
+
+
+def test_demo_table_has_a_column_per_way_and_a_goodput_row():
+    """The text report names the three columns and lays goodput beside the latencies."""
+    from kvgate.commands import demo
+
+    side = {"completed": 2, "failed": 0, "refused": {"429 queue_timeout": 1},
+            "goodput_per_s": 0.5, "preemptions": 3, "prefix_hit_rate": 0.25,
+            "ttft_s": {"short": {"p50": 0.1, "p99": 0.2}, "long": {"p50": None, "p99": None}},
+            "e2e_s": {"short": {"p50": 1.0, "p99": 2.0}, "long": {"p50": None, "p99": None}},
+            "replicas": {"normal-a": {"preemptions": 3, "prefix_hit_rate": 0.25}}}
+    report = {"workload": {"requests": 3, "long": 0, "duration_s": 1, "rate_per_s": 3,
+                           "time_scale": 1.0},
+              "no_admission": side, "worst_case": side, "predicted": side}
+    text = demo.render(report)
+    header = next(line for line in text.splitlines() if "no admission" in line)
+    assert "kvgate worst" in header and "kvgate predicted" in header
+    goodput = next(line for line in text.splitlines() if line.startswith("goodput (req/s"))
+    assert goodput.split()[-3:] == ["0.500"] * 3
+    refused = next(line for line in text.splitlines() if "queue_timeout" in line)
+    assert refused.split()[-3:] == ["1"] * 3
 
 
 async def test_the_readme_snippet_works_against_the_demo_fleet():

@@ -2,10 +2,12 @@
 
 Two normal replicas and one long-context replica (the vLLM simulator), and kvgate with
 in-memory state. Without `--workload` it serves until Ctrl-C and tells you where to point an
-OpenAI client. With `--workload` it drives the same seeded mixed workload twice — first
-straight at the replicas with the same routing but no admission control (long documents to
-the long replica, chats round robin over the others), then through kvgate, each on a fresh
-fleet — and prints what happened side by side.
+OpenAI client. With `--workload` it drives the same seeded mixed workload three times, each on
+a fresh fleet — straight at the replicas with the same routing but no admission control (long
+documents to the long replica, chats round robin over the others), through kvgate admitting on
+the worst case, and through kvgate admitting on predicted demand — and prints what happened
+side by side: latencies, goodput (requests per simulated second whose first token came within
+its target), preemptions and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvgate.config import Config, parse_config
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 from kvgate.tokens import load_tiktoken
-from kvgate.workload import build_workload, run_workload, summarize
+from kvgate.workload import build_workload, goodput, run_workload, summarize
 
 # Sized so the workload overloads the normal replicas: 6,400 tokens of KV each.
 FLEET: dict[str, dict[str, Any]] = {
@@ -45,6 +47,11 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "anonymous", "priority": "standard"},
 ]
 DEMO_KEYS = {"anonymous": "demo"}
+# Latency targets for goodput, in simulated seconds (× --time-scale on the wall clock).
+SHORT_TTFT_SLO_S, LONG_TTFT_SLO_S = 2.0, 10.0
+# The columns of `--workload`: no admission, then kvgate in each admission mode.
+COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst", "predicted":
+           "kvgate predicted"}  # fmt: skip
 
 
 def _with_keys(tenant: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +99,7 @@ async def _main(args: argparse.Namespace) -> int:
     items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate)
     report: dict[str, Any] = {"workload": {
         "requests": len(items), "duration_s": args.duration, "rate_per_s": args.rate,
-        "long": sum(1 for i in items if i.kind == "long")}}
+        "long": sum(1 for i in items if i.kind == "long"), "time_scale": args.time_scale}}
 
     def say(message: str) -> None:
         if not args.json:
@@ -104,16 +111,17 @@ async def _main(args: argparse.Namespace) -> int:
     # the normal ones), without admission: the difference is what admission control does.
     targets = {"short": [fleet["normal-a"].url, fleet["normal-b"].url], "long": [fleet["long"].url]}
     results = await run_workload("", items, targets=targets, tenant_header=None)
-    report["no_admission"] = {**summarize(results).as_dict(), "replicas": replica_stats(fleet)}
+    report["no_admission"] = column(results, fleet, args)
     await stop_fleet(fleet)
 
-    say("the same workload through kvgate ...")
-    fleet = await start_fleet(tokenizer, args.time_scale)
-    runner, url = await start_gateway(gateway_config(fleet, 0))
-    results = await run_workload(url, items)
-    report["kvgate"] = {**summarize(results).as_dict(), "replicas": replica_stats(fleet)}
-    await runner.cleanup()
-    await stop_fleet(fleet)
+    for mode in ("worst_case", "predicted"):
+        say(f"the same workload through kvgate, admission mode {mode} ...")
+        fleet = await start_fleet(tokenizer, args.time_scale)
+        runner, url = await start_gateway(gateway_config(fleet, 0, mode=mode))
+        results = await run_workload(url, items)
+        report[mode] = column(results, fleet, args)
+        await runner.cleanup()
+        await stop_fleet(fleet)
 
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
@@ -138,7 +146,25 @@ async def stop_fleet(fleet: dict[str, SimReplica]) -> None:
         await replica.stop()
 
 
-def gateway_config(fleet: dict[str, SimReplica], port: int) -> Config:
+def column(results: list[Any], fleet: dict[str, SimReplica], args: argparse.Namespace
+           ) -> dict[str, Any]:  # fmt: skip
+    """One column of the report: the summary, goodput and the replicas' own counters."""
+    scale = args.time_scale or 1.0
+    replicas = replica_stats(fleet)
+    hits = sum(r["prefix_cache_hits"] for r in replicas.values())
+    queries = sum(r["prefix_cache_queries"] for r in replicas.values())
+    return {
+        **summarize(results).as_dict(),
+        "goodput_per_s": round(goodput(results, args.duration / scale,
+                                       short_ttft_s=SHORT_TTFT_SLO_S * scale,
+                                       long_ttft_s=LONG_TTFT_SLO_S * scale), 3),
+        "preemptions": sum(r["preemptions"] for r in replicas.values()),
+        "prefix_hit_rate": round(hits / queries, 3) if queries else None,
+        "replicas": replicas,
+    }
+
+
+def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted") -> Config:
     return parse_config({
         "server": {"port": port},
         "pools": {
@@ -148,7 +174,7 @@ def gateway_config(fleet: dict[str, SimReplica], port: int) -> Config:
                      "min_worst_case_tokens": 3072},
         },
         "discovery": {"interval_s": 0.5},
-        "admission": {"queue": {"max_wait_s": 20, "max_depth": 1024}},
+        "admission": {"mode": mode, "queue": {"max_wait_s": 20, "max_depth": 1024}},
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32", "::1/128"]},
         "tenants": [_with_keys(t) for t in TENANTS],
@@ -186,6 +212,8 @@ def replica_stats(fleet: dict[str, SimReplica]) -> dict[str, dict[str, Any]]:
             "finished": stats.finished,
             "preemptions": stats.num_preemptions,
             "prefix_hit_rate": round(stats.prefix_cache_hits / queries, 3) if queries else None,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_queries": queries,
         }
     return out
 
@@ -215,32 +243,44 @@ def render(report: dict[str, Any]) -> str:
     w = report["workload"]
     rows = [f"workload: {w['requests']} requests ({w['long']} long documents) over "
             f"{w['duration_s']:g}s, {w['rate_per_s']:g}/s", ""]
-    header = f"{'':28}{'no admission':>16}{'through kvgate':>16}"
-    rows.append(header)
-    rr, kv = report["no_admission"], report["kvgate"]
+    columns = [report[key] for key in COLUMNS]
+    rows.append(f"{'':28}" + "".join(f"{label:>18}" for label in COLUMNS.values()))
 
-    def row(label: str, a: Any, b: Any) -> None:
-        rows.append(f"{label:28}{_fmt(a):>16}{_fmt(b):>16}")
+    def row(label: str, *path: str, default: Any = None) -> None:
+        """One figure per column, found in each column's report along `path`."""
+        values = [_dig(c, path, default) for c in columns]
+        rows.append(f"{label:28}" + "".join(f"{_fmt(v):>18}" for v in values))
 
-    row("completed", rr["completed"], kv["completed"])
-    row("failed (5xx, dropped)", rr["failed"], kv["failed"])
-    for reason in sorted(set(rr["refused"]) | set(kv["refused"])):
-        row(f"refused {reason}", rr["refused"].get(reason, 0), kv["refused"].get(reason, 0))
+    row("completed", "completed")
+    row("failed (5xx, dropped)", "failed")
+    for reason in sorted(set().union(*(c["refused"] for c in columns))):
+        row(f"refused {reason}", "refused", reason, default=0)
+    row("goodput (req/s, simulated)", "goodput_per_s")
     for kind in ("short", "long"):
         for q in ("p50", "p99"):
-            row(f"TTFT {kind} {q} (s)", rr["ttft_s"][kind][q], kv["ttft_s"][kind][q])
+            row(f"TTFT {kind} {q} (s)", "ttft_s", kind, q)
         for q in ("p50", "p99"):
-            row(f"end to end {kind} {q} (s)", rr["e2e_s"][kind][q], kv["e2e_s"][kind][q])
+            row(f"end to end {kind} {q} (s)", "e2e_s", kind, q)
     for tenant in ("vip", "chat-app", "batch"):  # vip is critical, batch sheddable
-        key = f"tenant {tenant}"
-        if key in kv["ttft_s"]:
-            row(f"TTFT {tenant} p50 (s)", rr["ttft_s"][key]["p50"], kv["ttft_s"][key]["p50"])
-    for name in rr["replicas"]:
-        row(f"{name} preemptions", rr["replicas"][name]["preemptions"],
-            kv["replicas"][name]["preemptions"])
-        row(f"{name} prefix hit rate", rr["replicas"][name]["prefix_hit_rate"],
-            kv["replicas"][name]["prefix_hit_rate"])
+        row(f"TTFT {tenant} p50 (s)", "ttft_s", f"tenant {tenant}", "p50")
+    row("preemptions (fleet)", "preemptions")
+    row("prefix hit rate (fleet)", "prefix_hit_rate")
+    for name in columns[0]["replicas"]:
+        row(f"{name} preemptions", "replicas", name, "preemptions")
+        row(f"{name} prefix hit rate", "replicas", name, "prefix_hit_rate")
+    rows += ["", f"goodput: requests per simulated second whose first token came within "
+             f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) simulated "
+             f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds."]
     return "\n".join(rows)
+
+
+def _dig(report: dict[str, Any], path: tuple[str, ...], default: Any) -> Any:
+    value: Any = report
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return value
 
 
 def _fmt(value: Any) -> str:
