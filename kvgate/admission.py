@@ -41,9 +41,10 @@ from kvgate.state.base import StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
 
-# While requests wait, look at the shared ledger at least this often: other instances'
-# releases are not announced to this one.
-POLL_INTERVAL_S = 0.02
+# While requests wait, look at the shared ledger at least this often. Releases wake the queue
+# at once (this instance's directly, other instances' through the store's release notices);
+# the poll catches what nobody announces, such as a dead instance's leases expiring.
+POLL_INTERVAL_S = 0.1
 # How often predicted reservations are checked against what their answers have written.
 GROW_INTERVAL_S = 0.05
 # A waiter that has used this share of its wait budget is not passed by smaller requests.

@@ -109,6 +109,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         )),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.grow()),
+        _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
         _task(_refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
     ]

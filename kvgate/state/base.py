@@ -22,6 +22,7 @@ Amounts are non-negative integers; times are seconds (float).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,6 +98,12 @@ class StateStore(Protocol):
     async def lookup(self, key: str) -> str | None: ...
 
     async def unbind(self, key: str) -> None: ...
+
+    async def watch_releases(self, on_release: Callable[[str], None]) -> None:
+        """Call `on_release(pool)` whenever any instance sharing this store releases a lease,
+        until cancelled; best effort (a lost notice only delays a waiter until its next poll).
+        A store that only this instance uses has nothing to announce and just waits."""
+        ...
 
     async def ping(self) -> float:
         """Round-trip time in seconds; raises StateStoreError when down."""

@@ -11,6 +11,7 @@ Concurrency: asyncio-safe because no method awaits inside its critical section (
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -210,6 +211,9 @@ class MemoryStore:
         self._sweep_bindings_at = max(_MIN_SWEEP_SIZE, 2 * len(self._bindings))
 
     # --- lifecycle ----------------------------------------------------------------------------
+
+    async def watch_releases(self, on_release: Callable[[str], None]) -> None:
+        await asyncio.Event().wait()  # one instance: its own releases wake it directly
 
     async def ping(self) -> float:
         return 0.0

@@ -18,9 +18,12 @@ becomes StateStoreError. The connection pool reconnects by itself when Redis com
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -34,6 +37,8 @@ from kvgate.state.base import BucketLimit, BucketState, StateStoreError
 from kvgate.state.memory import check_limit, remaining_units
 
 ScriptArg = str | int | float
+log = logging.getLogger(__name__)
+RESUBSCRIBE_S = 0.5
 
 
 class _Script:
@@ -88,6 +93,10 @@ class RedisStore:
         tag = f"{{{self.key_prefix}:{pool}}}"
         return f"{tag}:leases", f"{tag}:amounts", f"{tag}:held"
 
+    @property
+    def releases_channel(self) -> str:
+        return f"{self.key_prefix}:released"
+
     def bucket_key(self, bucket: str) -> str:
         return f"{{{self.key_prefix}:{bucket}}}:bucket"
 
@@ -103,7 +112,8 @@ class RedisStore:
         return bool(await self._run(self._lease, self.lease_keys(pool), args))
 
     async def release(self, pool: str, lease_id: str) -> int:
-        return _int(await self._run(self._lease, self.lease_keys(pool), ("release", lease_id)))
+        args = ("release", lease_id, self.releases_channel, pool)
+        return _int(await self._run(self._lease, self.lease_keys(pool), args))
 
     async def renew(self, pool: str, lease_ids: list[str], ttl_s: float) -> int:
         if not lease_ids:
@@ -158,6 +168,26 @@ class RedisStore:
     async def unbind(self, key: str) -> None:
         async with _translated("DEL"):
             await self._redis.delete(self.binding_key(key))
+
+    # --- release notices ----------------------------------------------------------------------
+
+    async def watch_releases(self, on_release: Callable[[str], None]) -> None:
+        """Subscribe to the releases channel (lease.lua publishes on it) on a connection of its
+        own; on a broken connection, subscribe again after a short pause."""
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.releases_channel)
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        on_release(str(message.get("data")))
+            except (RedisError, OSError) as exc:
+                log.debug("release notices interrupted (%s); subscribing again", exc)
+                await asyncio.sleep(RESUBSCRIBE_S)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     # --- lifecycle ----------------------------------------------------------------------------
 

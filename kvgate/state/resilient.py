@@ -230,6 +230,10 @@ class ResilientStore:
         self._came_back()
         return rtt
 
+    async def watch_releases(self, on_release: Callable[[str], None]) -> None:
+        """The shared store's notices (the local fallback has nothing to announce)."""
+        await self._primary.watch_releases(on_release)
+
     async def close(self) -> None:
         if self._probe is not None:
             self._probe.cancel()

@@ -178,3 +178,21 @@ async def test_a_restart_between_calls_costs_no_error(private_redis: PrivateRedi
 async def _server_time(client: redis.asyncio.Redis) -> float:
     seconds, microseconds = await client.time()
     return seconds + microseconds / 1_000_000
+
+
+async def test_a_release_is_announced_to_every_instance_watching(
+    redis_store: RedisStore, second_store: RedisStore
+):
+    """Instances waiting for capacity learn of another's release at once, not at their next
+    poll of the ledger."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    watcher = asyncio.create_task(second_store.watch_releases(heard.put_nowait))
+    try:
+        await asyncio.sleep(0.2)  # subscribed
+        assert await redis_store.try_acquire("ledger:r1", "a", 3, limit=10, ttl_s=30)
+        assert await redis_store.release("ledger:r1", "a") == 3
+        async with asyncio.timeout(2):
+            assert await heard.get() == "ledger:r1"
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)

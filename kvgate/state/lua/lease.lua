@@ -49,7 +49,7 @@ if op == 'acquire' then
   settle()
   return 1
 elseif op == 'release' then
-  -- ARGV: op, lease id
+  -- ARGV: op, lease id[, channel, pool]
   local id = ARGV[2]
   local amount = redis.call('HGET', amounts, id)
   if not amount then
@@ -60,6 +60,10 @@ elseif op == 'release' then
   redis.call('HDEL', amounts, id)
   redis.call('DECRBY', total, amount)
   settle()
+  -- ARGV[3], ARGV[4]: a channel and the pool's name, to tell waiting instances at once
+  if ARGV[3] then
+    redis.call('PUBLISH', ARGV[3], ARGV[4])
+  end
   return tonumber(amount)
 elseif op == 'renew' then
   -- ARGV: op, ttl (ms), lease id...
