@@ -1,0 +1,184 @@
+"""Goodput of kvgate's admission against a bare fleet and vllm-router, on one simulated fleet.
+
+For every workload × load × contender (× repeat) a fresh simulated fleet is started — three
+normal replicas and one long-context replica, each its own `kvgate sim` process — then the
+contender's process(es), and the same seeded open-loop workload is sent from this process.
+Loads are multiples of the fleet's capacity for the workload, estimated once by stepping the
+simulator's engine offline (bench/fleetbench/capacity.py). Times are simulated seconds: the
+replicas run `--time-scale` wall seconds per simulated second, and the load generator's wall
+clock is divided by it. Contenders' order alternates between repeats; reported figures are
+medians over repeats.
+
+Writes bench/results/fleet-<date>.json (every run and the medians), fleet.md (the table and
+how it was made, for the README), and PNG plots: goodput against load per workload, and the
+CDF of short requests' TTFT at 2x load.
+
+    .venv/bin/python bench/fleet.py [--quick] [--repeats N] [--workloads mix realistic]
+        [--loads 0.5 1 2 3] [--contenders direct-rr kvgate-predicted ...]
+        [--duration S] [--timeout S] [--time-scale 0.25] [--seed 0] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fleetbench import capacity, contenders, fleet, measure, report, workloads
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL = {"workloads": ["mix", "realistic"], "loads": [0.5, 1.0, 2.0, 3.0],
+        "contenders": list(contenders.CONTENDERS), "duration": 40.0, "timeout": 60.0,
+        "repeats": 1}  # fmt: skip
+QUICK = {"workloads": ["realistic"], "loads": [1.0, 2.0],
+         "contenders": ["direct-rr", "vllm-router-cache_aware", "kvgate-worst",
+                        "kvgate-predicted", "kvgate-redis-x2"],
+         "duration": 32.0, "timeout": 60.0, "repeats": 1}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="realistic workload at 1x and 2x, five contenders, shorter runs "
+                             "(about 5 minutes)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, help="runs of every cell (1)")
+    parser.add_argument("--workloads", nargs="+", choices=list(workloads.WORKLOADS))
+    parser.add_argument("--loads", nargs="+", type=float, help="multiples of capacity")
+    parser.add_argument("--contenders", nargs="+", choices=list(contenders.CONTENDERS))
+    parser.add_argument("--duration", type=float, help="simulated seconds of arrivals per run")
+    parser.add_argument("--timeout", type=float,
+                        help="simulated seconds a request may take before it counts as failed")
+    parser.add_argument("--time-scale", type=float, default=0.25,
+                        help="wall seconds per simulated second (0.25)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed of the first repeat")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    profile = QUICK if args.quick else FULL
+    for name, value in profile.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def plan(args: argparse.Namespace, rates: dict[str, float]) -> list[measure.RunSpec]:
+    """Every run in order: repeats outermost, the contenders' order reversed every other
+    repeat, so drift on a shared machine falls on all of them alike."""
+    specs = []
+    for repeat in range(args.repeats):
+        order = args.contenders if repeat % 2 == 0 else args.contenders[::-1]
+        for name in args.workloads:
+            for load in args.loads:
+                for contender in order:
+                    specs.append(measure.RunSpec(
+                        workloads.WORKLOADS[name], load, round(load * rates[name], 3),
+                        contenders.CONTENDERS[contender], repeat, args.seed + repeat,
+                        args.duration, args.timeout, args.time_scale,
+                    ))  # fmt: skip
+    return specs
+
+
+async def measure_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    this = asyncio.current_task()
+    assert this is not None
+    # SIGTERM cancels the run; every child process is stopped on the way out.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this.cancel)
+    estimates = {}
+    for name in args.workloads:
+        workload = workloads.WORKLOADS[name]
+        nominal = fleet.replicas({n: 0 for n in fleet.REPLICAS}, args.time_scale,
+                                 workload.output_lengths)  # fmt: skip
+        estimates[name] = await asyncio.to_thread(capacity.estimate, workload, nominal)
+        print(f"capacity of the fleet for {name}: {estimates[name]['requests_per_s']:.2f} "
+              f"requests per simulated second ({estimates[name]['bottleneck_pool']} pool "
+              "saturates first)", flush=True)  # fmt: skip
+    specs = plan(args, {n: e["requests_per_s"] for n, e in estimates.items()})
+    runs = []
+    for n, spec in enumerate(specs, 1):
+        items = spec.workload.build(spec.seed, spec.duration_s, spec.rate_per_s)
+        folder = logs / spec.run_id
+        folder.mkdir(parents=True)
+        record = await measure.run(spec, items, folder)
+        runs.append(record)
+        print(f"[{n}/{len(specs)}] {progress(record)}", flush=True)
+    return {"capacity": estimates, "runs": runs}
+
+
+def progress(record: dict[str, Any]) -> str:
+    head = f"{record['workload']} {record['load']:g}x {record['contender']:24}"
+    if "error" in record:
+        return f"{head} not measured: {record['error'].splitlines()[0]}"
+    good = record["goodput_per_s"]
+    return (f"{head} {record['requests']} requests, {record['completed']} done, goodput "
+            f"{good['short_ttft_1s']:.2f}/{good['short_ttft_2s']:.2f} per s, "
+            f"{record['run']['wall_s']:.0f} s wall, sim speed {record['run']['sim_speed_min']}")
+
+
+def describe(args: argparse.Namespace, started: float) -> dict[str, Any]:
+    return {
+        "command": "python bench/fleet.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "profile": "quick" if args.quick else "full",
+        "wall_s": round(time.monotonic() - args.monotonic_start, 1),
+        "settings": {"workloads": args.workloads, "loads": args.loads,
+                     "contenders": args.contenders, "repeats": args.repeats,
+                     "duration_s": args.duration, "timeout_s": args.timeout,
+                     "time_scale": args.time_scale, "seed": args.seed},
+        "contenders": {n: contenders.CONTENDERS[n].describe for n in args.contenders},
+        "fleet": {name: {**knobs, **fleet.TIMING, **fleet.OVERRIDES.get(name, {})}
+                  for name, knobs in fleet.REPLICAS.items()},
+        "output_lengths": {n: workloads.WORKLOADS[n].output_lengths for n in args.workloads},
+        "slo": {"short_ttft_s": list(report.SHORT_TTFT_SLOS_S),
+                "long_ttft_s": report.LONG_TTFT_SLO_S},
+        "machine": {"cpus": os.cpu_count(), "load_before": args.load_before,
+                    "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+                    "python": platform.python_version()},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    args.monotonic_start = time.monotonic()
+    started = time.time()
+    run: Any = asyncio.run
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        run = uvloop.run
+    with tempfile.TemporaryDirectory(prefix="kvgate-fleet-") as logs:
+        try:
+            measured = run(measure_all(args, Path(logs)))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            print("interrupted; every child process was stopped", file=sys.stderr)
+            return 130
+    rows = report.medians(measured["runs"])
+    meta = describe(args, started)
+    out: Path = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    day = time.strftime("%Y-%m-%d", time.gmtime(started))
+    plots = report.plots(rows, measured["runs"], out, f"fleet-{day}")
+    document = {"meta": meta, "capacity": measured["capacity"], "results": rows,
+                "runs": measured["runs"], "plots": [p.name for p in plots]}  # fmt: skip
+    (out / f"fleet-{day}.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    (out / "fleet.md").write_text(report.markdown(meta, measured["capacity"], rows, plots))
+    print()
+    print(report.table(rows))
+    print(report.legend())
+    print(f"\nwrote {out / f'fleet-{day}.json'}, {out / 'fleet.md'} and "
+          + (", ".join(p.name for p in plots) if plots else
+             "no plots: matplotlib is not installed (pip install -e '.[bench]')"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""What is measured in front of the fleet, each started as its own process(es).
+
+    direct-rr                 no process: the load generator round-robins chats over the normal
+                              replicas and sends long documents to the long replica, as a
+                              Kubernetes Service per pool would
+    vllm-router-<policy>      the `vllm-router` package (Rust), one router per pool, as a
+                              router that knows no pools would be deployed; policies
+                              round_robin, power_of_two, cache_aware
+    kvgate-worst              `kvgate serve`, admission.mode worst_case
+    kvgate-predicted          `kvgate serve`, admission.mode predicted (critical: worst_case)
+    kvgate-redis-x2           two `kvgate serve` sharing state in Redis, predicted; the load
+                              generator alternates between them
+
+kvgate's settings that are durations (discovery, queue waits) are given in simulated seconds
+and multiplied by the fleet's time_scale, so kvgate sees the same time the replicas do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from .fleet import Replica
+from .processes import Children, free_port
+from .workloads import Workload
+
+REDIS_URL = os.environ.get("KVGATE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+TENANTS: list[dict[str, Any]] = [
+    {"name": "vip", "priority": "critical"},
+    {"name": "chat-app", "priority": "standard"},
+    {"name": "batch", "priority": "sheddable", "max_concurrent": 16},
+    {"name": "anonymous", "priority": "standard"},
+]
+# Simulated seconds a request of each class may wait for KV capacity (kvgate's defaults).
+WAIT_BUDGET_S = {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
+MAX_WAIT_S = 30.0
+DISCOVERY_INTERVAL_S = 2.0
+VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    name: str
+    kind: str  # "direct", "vllm-router" or "kvgate"
+    policy: str | None = None  # vllm-router's --policy
+    mode: str | None = None  # kvgate's admission.mode
+    instances: int = 1  # kvgate processes
+    redis: bool = False
+    describe: str = ""
+
+
+CONTENDERS: dict[str, Contender] = {c.name: c for c in [
+    Contender("direct-rr", "direct",
+              describe="round robin straight to the replicas, long documents to the long one"),
+    *(Contender(f"vllm-router-{p}", "vllm-router", policy=p,
+                describe=f"vllm-router --policy {p}, one router per pool")
+      for p in VLLM_ROUTER_POLICIES),
+    Contender("kvgate-worst", "kvgate", mode="worst_case",
+              describe="kvgate, admission.mode worst_case"),
+    Contender("kvgate-predicted", "kvgate", mode="predicted",
+              describe="kvgate, admission.mode predicted, class_modes {critical: worst_case}"),
+    Contender("kvgate-redis-x2", "kvgate", mode="predicted", instances=2, redis=True,
+              describe="two kvgate instances sharing Redis state, predicted, load split"),
+]}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Running:
+    """A started contender: where to send each kind of request, and what to undo after."""
+
+    targets: dict[str, list[str]]
+    tenant_header: str | None
+    redis_prefix: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+async def start(contender: Contender, children: Children, http: aiohttp.ClientSession,
+                fleet: list[Replica], workload: Workload, time_scale: float, run_id: str,
+                ) -> Running:  # fmt: skip
+    """Start the contender's processes against a running fleet; return once it serves."""
+    normal = [r.url for r in fleet if r.pool == "default"]
+    long = [r.url for r in fleet if r.pool == "long"]
+    if contender.kind == "direct":
+        return Running({"short": normal, "long": long}, None)
+    if contender.kind == "vllm-router":
+        return await _start_vllm_router(contender, children, http, normal, long)
+    return await _start_kvgate(contender, children, http, fleet, workload, time_scale, run_id)
+
+
+def available(contender: Contender) -> str | None:
+    """Why the contender cannot run here, or None."""
+    if contender.kind == "vllm-router" and vllm_router_command() is None:
+        return "the vllm-router command is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def vllm_router_command() -> str | None:
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+async def _start_vllm_router(contender: Contender, children: Children,
+                             http: aiohttp.ClientSession, normal: list[str], long: list[str],
+                             ) -> Running:  # fmt: skip
+    command = vllm_router_command()
+    assert command is not None and contender.policy is not None
+    urls: dict[str, str] = {}
+    for pool, workers, policy in (("default", normal, contender.policy),
+                                  ("long", long, "round_robin")):  # fmt: skip
+        port = free_port()
+        children.start(f"vllm-router-{pool}", [
+            command, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+            "--policy", policy, "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1", "--log-level", "warning",
+        ])  # fmt: skip
+        urls[pool] = f"http://127.0.0.1:{port}"
+    for pool, url in urls.items():
+        await children.wait_ready(http, f"vllm-router-{pool}", url + "/health")
+    return Running({"short": [urls["default"]], "long": [urls["long"]]}, None)
+
+
+def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload,
+                  time_scale: float, port: int, redis_prefix: str | None) -> dict[str, Any]:  # fmt: skip
+    """The gateway's config tree (what `kvgate serve --config` reads)."""
+    scaled = {name: round(s * time_scale, 4) for name, s in WAIT_BUDGET_S.items()}
+    admission: dict[str, Any] = {
+        "mode": contender.mode,
+        "queue": {"max_depth": 1024, "max_wait_s": MAX_WAIT_S * time_scale,
+                  "wait_budget_s": scaled},
+    }  # fmt: skip
+    if contender.mode == "predicted":
+        admission["class_modes"] = {"critical": "worst_case"}
+    pools: dict[str, Any] = {}
+    for replica in fleet:
+        pool = pools.setdefault(replica.pool, {"replicas": []})
+        pool["replicas"].append({"url": replica.url, "name": replica.name})
+    pools["long"]["min_worst_case_tokens"] = workload.long_pool_min_tokens
+    state: dict[str, Any] = {"backend": "memory"}
+    if redis_prefix is not None:
+        state = {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": redis_prefix}
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "access_log": False},
+        "pools": pools,
+        "discovery": {"interval_s": DISCOVERY_INTERVAL_S * time_scale,
+                      "stale_after_s": 5 * DISCOVERY_INTERVAL_S * time_scale},
+        "admission": admission,
+        "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
+                 "trusted_networks": ["127.0.0.1/32"]},
+        "tenants": [{**t, "api_key_sha256": [hashlib.sha256(t["name"].encode()).hexdigest()]}
+                    for t in TENANTS],
+        "state": state,
+    }  # fmt: skip
+
+
+async def _start_kvgate(contender: Contender, children: Children, http: aiohttp.ClientSession,
+                        fleet: list[Replica], workload: Workload, time_scale: float,
+                        run_id: str) -> Running:  # fmt: skip
+    prefix = f"kvgate-bench-{run_id}" if contender.redis else None
+    urls = []
+    for n in range(contender.instances):
+        port = free_port()
+        config = kvgate_config(contender, fleet, workload, time_scale, port, prefix)
+        path = children.logs / f"kvgate-{n}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        children.start(f"kvgate-{n}", [sys.executable, "-m", "kvgate.cli", "serve",
+                                       "--config", str(path), "--log-level", "WARNING"])  # fmt: skip
+        urls.append(f"http://127.0.0.1:{port}")
+    for n, url in enumerate(urls):
+        await children.wait_ready(http, f"kvgate-{n}", url + "/ready")
+        await _until_discovered(http, url, len(fleet))
+    return Running({"short": urls, "long": urls}, "X-Tenant-Id", redis_prefix=prefix)
+
+
+async def _until_discovered(http: aiohttp.ClientSession, url: str, replicas: int,
+                            timeout_s: float = 10.0) -> None:  # fmt: skip
+    """Until /admin/replicas shows every replica healthy with its KV capacity known (or the
+    endpoint does not say; admission would refuse before discovery)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with http.get(url + "/admin/replicas") as response:
+                listed = (await response.json()).get("replicas", [])
+                if len(listed) >= replicas and all(
+                    r.get("healthy", True) and r.get("num_gpu_blocks", 1) for r in listed
+                ):
+                    return
+        await asyncio.sleep(0.05)
+
+
+def clean_redis(prefix: str) -> int:
+    """Delete every key of a run's Redis prefix; how many there were."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+        return len(keys)
+    finally:
+        client.close()

@@ -1,0 +1,128 @@
+"""One run: a fresh fleet, one contender, one workload at one load; its figures out.
+
+Every run starts its own replica processes (nothing inherited from the run before: no cached
+prefix, no queue), then the contender's, then sends the workload from this process, open loop,
+at its times × time_scale. A request not finished `timeout_s` (simulated) after it was sent is
+cancelled and counts as a timeout, so a run lasts at most duration + timeout. The replicas'
+counters are scraped before and after, and their simulated clocks too: `sim_speed` is
+simulated seconds × time_scale per wall second, 1.0 when a replica kept pace with the wall
+clock, lower when it was starved of CPU (or its step timer overshot) and so ran slower than
+modelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgate.workload import WorkItem, run_workload
+
+from . import contenders, fleet, metrics
+from .processes import ChildFailed, Children, cpu_seconds, free_port
+from .workloads import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    workload: Workload
+    load: float  # multiple of the fleet's capacity
+    rate_per_s: float  # simulated
+    contender: contenders.Contender
+    repeat: int
+    seed: int
+    duration_s: float  # simulated
+    timeout_s: float  # simulated, per request
+    time_scale: float
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.workload.name}-{self.load:g}x-{self.contender.name}-r{self.repeat}"
+
+
+async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any]:
+    """Measure one run (`logs`: an existing folder for its processes' logs and files); a
+    contender that cannot start gives {"error": why} instead of figures."""
+    record: dict[str, Any] = {"workload": spec.workload.name, "load": spec.load,
+                              "rate_per_s": spec.rate_per_s, "contender": spec.contender.name,
+                              "repeat": spec.repeat}  # fmt: skip
+    why = contenders.available(spec.contender)
+    if why is not None:
+        return {**record, "error": why}
+    ports = {name: free_port() for name in fleet.REPLICAS}
+    replicas = fleet.replicas(ports, spec.time_scale, spec.workload.output_lengths)
+    wall_items = [dataclasses.replace(i, at_s=i.at_s * spec.time_scale) for i in items]
+    running: contenders.Running | None = None
+    started = time.monotonic()
+    async with Children(logs) as children, aiohttp.ClientSession() as http:
+        try:
+            for replica in replicas:
+                children.start(f"sim-{replica.name}", [
+                    sys.executable, "-m", "kvgate.cli", "sim",
+                    "--fleet", str(fleet.fleet_file(replica, logs))])  # fmt: skip
+            for replica in replicas:
+                await children.wait_ready(http, f"sim-{replica.name}", replica.url + "/health")
+            running = await contenders.start(spec.contender, children, http, replicas,
+                                             spec.workload, spec.time_scale,
+                                             f"{spec.run_id}-{id(logs):x}")  # fmt: skip
+            ready_s = time.monotonic() - started
+            before = await _scrape(http, replicas)
+            cpu_before = _cpu(children)
+            results = await run_workload(
+                "", wall_items, targets=running.targets, tenant_header=running.tenant_header,
+                timeout_s=spec.timeout_s * spec.time_scale,
+            )  # fmt: skip
+            after = await _scrape(http, replicas)
+            cpu_after = _cpu(children)
+        except ChildFailed as exc:
+            return {**record, "error": str(exc)}
+        finally:
+            if running is not None and running.redis_prefix is not None:
+                with contextlib.suppress(Exception):  # a cleanup failure must not hide a result
+                    record["redis_keys_cleaned"] = await asyncio.to_thread(
+                        contenders.clean_redis, running.redis_prefix)  # fmt: skip
+    elapsed = time.monotonic() - started
+    sim_results = metrics.to_simulated(results, spec.time_scale)
+    counters = metrics.increase(before["counters"], after["counters"])
+    walls = after["wall"] - before["wall"]
+    speed = {name: round((after["sim_time"][name] - before["sim_time"][name]) * spec.time_scale
+                         / walls, 3) for name in after["sim_time"]}  # fmt: skip
+    record.update(metrics.figures(sim_results, spec.duration_s, counters))
+    record["run"] = {
+        "startup_wall_s": round(ready_s, 2), "wall_s": round(elapsed, 2),
+        "sim_speed": speed, "sim_speed_min": min(speed.values()),
+        "cpu_s": {name: round(cpu_after[name] - cpu_before[name], 2) for name in cpu_after},
+    }  # fmt: skip
+    if spec.load == 2:  # for the TTFT CDF: every short request counts, completed or not
+        record["samples"] = {
+            "short_requests": sum(r.kind == "short" for r in sim_results),
+            "short_ttft_s": sorted(round(r.ttft_s, 4) for r in sim_results if r.kind == "short"
+                                   and r.status == 200 and r.ttft_s is not None),
+        }  # fmt: skip
+    return record
+
+
+async def _scrape(http: aiohttp.ClientSession, replicas: list[fleet.Replica]) -> dict[str, Any]:
+    counters: dict[str, float] = {}
+    sim_time: dict[str, float] = {}
+    timeout = aiohttp.ClientTimeout(total=10)
+    for replica in replicas:
+        async with http.get(replica.url + "/metrics", timeout=timeout) as response:
+            for name, value in metrics.parse_counters(await response.text()).items():
+                counters[name] = counters.get(name, 0.0) + value
+        async with http.get(replica.url + "/sim/state", timeout=timeout) as response:
+            sim_time[replica.name] = float((await response.json())["sim_time_s"])
+    return {"counters": counters, "sim_time": sim_time, "wall": time.monotonic()}
+
+
+def _cpu(children: Children) -> dict[str, float]:
+    out = {name: cpu_seconds(pid) for name, pid in children.pids().items()}
+    out["load-generator"] = time.process_time()
+    return out

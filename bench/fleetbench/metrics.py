@@ -1,0 +1,115 @@
+"""From one run's results and the replicas' counters to the figures reported: pure functions.
+
+Every time here is in simulated seconds (`to_simulated` converts the load generator's wall
+clock first). Goodput is requests per simulated second of the workload that completed with
+their first token within target: a short request within 1 s or 2 s (both reported), a long
+one within 10 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from kvgate.workload import Result, goodput, percentile
+
+SHORT_TTFT_SLOS_S = (1.0, 2.0)
+LONG_TTFT_SLO_S = 10.0
+CRITICAL_TENANT = "vip"
+# The replicas' own counters, summed over the fleet.
+COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_queries_total", "vllm:generation_tokens_total")  # fmt: skip
+
+
+def to_simulated(results: Iterable[Result], time_scale: float) -> list[Result]:
+    """The same results with their times divided by the fleet's time_scale."""
+
+    def sim(value: float | None) -> float | None:
+        return None if value is None else value / time_scale
+
+    return [dataclasses.replace(r, ttft_s=sim(r.ttft_s), e2e_s=sim(r.e2e_s), sent_s=sim(r.sent_s))
+            for r in results]  # fmt: skip
+
+
+def outcome(result: Result) -> tuple[str, str]:
+    """("completed" | "refused" | "failed", reason): a refusal is a 4xx, named by status and
+    code; a failure is a 5xx, a dropped connection, an error mid-stream or a timeout."""
+    if result.status == 200:
+        return "completed", ""
+    if 400 <= result.status < 500:
+        return "refused", f"{result.status} {result.error_code}"
+    if result.status >= 500:
+        return "failed", f"{result.status} {result.error_code}"
+    if result.error_code == "TimeoutError":
+        return "failed", "timeout"
+    if result.error_code == "stream_error":
+        return "failed", "error mid-stream"
+    return "failed", f"dropped ({result.error_code})"
+
+
+def latency(values: Iterable[float | None]) -> dict[str, float | int | None]:
+    ordered = sorted(v for v in values if v is not None)
+    p50, p99 = percentile(ordered, 0.50), percentile(ordered, 0.99)
+    return {"p50": _round(p50), "p99": _round(p99), "n": len(ordered)}
+
+
+def figures(results: list[Result], duration_s: float, counters: dict[str, float]) -> dict[str, Any]:
+    """Everything reported for one run (results in simulated seconds; `counters` the fleet's
+    increase of COUNTERS over the run)."""
+    outcomes: dict[str, Counter[str]] = {"completed": Counter(), "refused": Counter(),
+                                         "failed": Counter()}  # fmt: skip
+    for r in results:
+        kind, reason = outcome(r)
+        outcomes[kind][reason] += 1
+    groups = {
+        "short": [r for r in results if r.kind == "short"],
+        "long": [r for r in results if r.kind == "long"],
+        "critical": [r for r in results if r.tenant == CRITICAL_TENANT],
+    }
+    done = [r for r in results if r.status == 200]
+    queries = counters.get("vllm:prefix_cache_queries_total", 0.0)
+    retry_after = [r.retry_after_s for r in results if r.retry_after_s is not None]
+    return {
+        "requests": len(results),
+        "completed": sum(outcomes["completed"].values()),
+        "refused": dict(sorted(outcomes["refused"].items())),
+        "failed": dict(sorted(outcomes["failed"].items())),
+        "ttft_s": {g: latency(r.ttft_s for r in rs if r.status == 200) for g, rs in groups.items()},
+        "e2e_s": {g: latency(r.e2e_s for r in rs if r.status == 200) for g, rs in groups.items()},
+        "goodput_per_s": {
+            f"short_ttft_{slo:g}s": _round(goodput(results, duration_s, short_ttft_s=slo,
+                                                   long_ttft_s=LONG_TTFT_SLO_S))
+            for slo in SHORT_TTFT_SLOS_S
+        },
+        "completed_per_s": _round(len(done) / duration_s),
+        "output_tokens_per_s": _round(sum(r.output_tokens or 0 for r in done) / duration_s, 1),
+        "preemptions": int(counters.get("vllm:num_preemptions_total", 0)),
+        "prefix_cache_hit_rate": _round(
+            counters.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else None),
+        "generation_tokens": int(counters.get("vllm:generation_tokens_total", 0)),
+        "retry_after_s_median": _round(statistics.median(retry_after) if retry_after else None),
+    }  # fmt: skip
+
+
+def parse_counters(text: str, names: Iterable[str] = COUNTERS) -> dict[str, float]:
+    """Sum each named sample over its label sets in Prometheus text exposition."""
+    wanted = set(names)
+    sums = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)

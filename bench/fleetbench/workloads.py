@@ -1,0 +1,154 @@
+"""The benchmark's workloads: seeded, open-loop, in *simulated* seconds.
+
+`mix` is the demo's (`kvgate.workload.build_workload`): chats sharing a system prompt, some
+with a timestamp and trailing spaces, and long documents. `realistic` is what a chat product
+sees, with three tenants:
+
+  * `vip` (critical, a small share): single questions to a support assistant, max_tokens 1024;
+  * `chat-app` (standard): multi-turn sessions whose every turn resends the whole history,
+    max_tokens 1024–4096 (answers are a few hundred tokens: the fleet's output lengths are
+    lognormal, see `fleet.py`); and now and then a long document to summarise, which goes to
+    the long-context pool;
+  * `batch` (sheddable): bursts of extraction jobs, a dozen at once.
+
+Arrivals are Poisson (sessions and bursts start as Poisson processes; a session's next turn
+follows after a think time, whatever happened to the previous one, so the workload is the
+same for every contender). Every word of the generated text is one cl100k token, so the
+prompt sizes below are close to what the replicas count.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.workload import SYSTEM_PROMPT, WorkItem, build_workload
+
+MODEL = "sim-model"
+# Each a single cl100k token with its leading space.
+WORDS = (
+    "the", "data", "model", "answer", "request", "customer", "order", "invoice", "account",
+    "payment", "service", "system", "report", "policy", "product", "team", "support", "time",
+    "number", "value", "result", "process", "issue", "update", "change", "user", "access",
+    "security", "network", "server", "storage", "cost", "plan", "price", "market", "sales",
+    "growth", "review", "risk", "quality", "test", "release", "version", "feature", "error",
+    "event", "log", "metric", "alert",
+)
+ASSISTANT_PROMPT = (
+    "You are a helpful assistant for the employees of Example Corp. Be accurate and complete; "
+    "use lists where they help; ask a clarifying question when the request is ambiguous. "
+) * 6  # ~200 tokens, shared by every chat-app session
+EXTRACTION_PROMPT = (
+    "Extract every order number, amount and date from the text below and return them as a "
+    "JSON list of objects with the keys order, amount and date. "
+) * 3  # ~100 tokens, shared by every batch job
+
+# Shares of the realistic workload's requests.
+VIP_SHARE, DOCUMENT_SHARE, BATCH_SHARE = 0.08, 0.05, 0.20
+CHAT_SHARE = 1.0 - VIP_SHARE - DOCUMENT_SHARE - BATCH_SHARE
+TURNS = (1, 2, 3, 4)  # per session, uniformly: 2.5 on average
+THINK_S = 6.0  # mean simulated seconds between a session's turns
+BURST = (8, 16)  # jobs per batch burst, uniformly
+BURST_SPREAD_S = 2.0  # a burst's jobs arrive within this many simulated seconds
+DOCUMENT_TOKENS = (9000, 14000)  # long documents: prompt + max_tokens is above 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A named workload: how to build it, and how its long requests are told apart."""
+
+    name: str
+    build: Callable[[int, float, float], list[WorkItem]]  # (seed, duration_s, rate) -> items
+    # kvgate's long pool takes requests whose worst case (prompt + max_tokens) reaches this.
+    long_pool_min_tokens: int
+    # The fleet's output lengths for this workload (SimConfig.output_len_* keys).
+    output_lengths: dict[str, Any]
+
+
+def build_mix(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
+    return build_workload(seed=seed, duration_s=duration_s, rate=rate, model=MODEL)
+
+
+def build_realistic(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
+    """About `rate` requests per simulated second for `duration_s`, sorted by arrival."""
+    rng = random.Random(seed)
+    items: list[WorkItem] = []
+    mean_turns = sum(TURNS) / len(TURNS)
+    for start in _poisson(rng, rate * CHAT_SHARE / mean_turns, duration_s):
+        items.extend(_session(rng, start, duration_s))
+    for at in _poisson(rng, rate * VIP_SHARE, duration_s):
+        question = f"Question about {_text(rng, 3)}: {_text(rng, rng.randint(20, 60))}?"
+        items.append(_chat(at, "short", "vip", SYSTEM_PROMPT, [question], [], 1024))
+    for at in _poisson(rng, rate * DOCUMENT_SHARE, duration_s):
+        document = _text(rng, rng.randint(*DOCUMENT_TOKENS))
+        items.append(_chat(at, "long", "chat-app", "Summarise the document for an analyst.",
+                           [document], [], rng.choice([1024, 2048])))  # fmt: skip
+    mean_burst = sum(BURST) / 2
+    for burst in _poisson(rng, rate * BATCH_SHARE / mean_burst, duration_s):
+        for _ in range(rng.randint(*BURST)):
+            at = burst + rng.uniform(0, BURST_SPREAD_S)
+            if at < duration_s:
+                text = _text(rng, rng.randint(300, 600))
+                items.append(_chat(at, "short", "batch", EXTRACTION_PROMPT, [text], [],
+                                   rng.choice([1024, 2048])))  # fmt: skip
+    items.sort(key=lambda item: item.at_s)
+    return items
+
+
+def _session(rng: random.Random, start: float, duration_s: float) -> list[WorkItem]:
+    """One user's conversation: each turn resends the system prompt and every earlier turn."""
+    questions: list[str] = []
+    answers: list[str] = []
+    turns: list[WorkItem] = []
+    at = start
+    for _ in range(rng.choice(TURNS)):
+        if at >= duration_s:
+            break
+        questions.append(f"{_text(rng, rng.randint(15, 80))}?")
+        max_tokens = rng.choice([1024, 2048, 4096])
+        turns.append(_chat(at, "short", "chat-app", ASSISTANT_PROMPT, questions, answers,
+                           max_tokens))  # fmt: skip
+        # What the assistant said, as the client will resend it: a few hundred tokens.
+        answers.append(_text(rng, min(600, int(rng.lognormvariate(5.6, 0.5)))))
+        at += rng.expovariate(1 / THINK_S)
+    return turns
+
+
+def _chat(at: float, kind: str, tenant: str, system: str, questions: list[str],
+          answers: list[str], max_tokens: int) -> WorkItem:  # fmt: skip
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for i, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
+    return WorkItem(at, kind, tenant, body)
+
+
+def _poisson(rng: random.Random, rate: float, duration_s: float) -> list[float]:
+    times: list[float] = []
+    t = 0.0
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= duration_s:
+            return times
+        times.append(t)
+    return times
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choices(WORDS, k=words))
+
+
+WORKLOADS: dict[str, Workload] = {
+    # The demo's: answers use 60–100% of max_tokens, near the worst case.
+    "mix": Workload("mix", build_mix, 3072,
+                    {"output_len_dist": "uniform", "output_len_min_fraction": 0.6}),
+    # max_tokens 1024–4096 and answers of a few hundred tokens: a median of 10% of max_tokens,
+    # 99% under a third of it (at ~30 tokens/s, a 4096-token answer would outlast a run).
+    "realistic": Workload("realistic", build_realistic, 8192,
+                          {"output_len_dist": "lognormal", "output_len_median_fraction": 0.1,
+                           "output_len_sigma": 0.5}),
+}  # fmt: skip

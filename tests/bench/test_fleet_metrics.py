@@ -1,0 +1,109 @@
+"""The fleet benchmark's arithmetic, on hand-made results: no server, no clock."""
+
+from __future__ import annotations
+
+import pytest
+from fleetbench import metrics, report
+
+from kvgate.workload import Result, goodput, within_slo
+
+
+def result(kind: str = "short", status: int = 200, ttft: float | None = 0.5,
+           e2e: float | None = 3.0, tenant: str = "chat-app", code: str | None = None,
+           tokens: int | None = 100, retry_after: float | None = None) -> Result:  # fmt: skip
+    return Result(kind, tenant, status, ttft, code, e2e, None, None, 0.0, tokens, retry_after)
+
+
+# Ten requests over 5 simulated seconds: which of them count toward goodput is written beside.
+HAND_MADE = [
+    result(ttft=0.2),  # good at 1 s and 2 s
+    result(ttft=1.0),  # good at 1 s (the target is inclusive) and 2 s
+    result(ttft=1.5),  # good at 2 s only
+    result(ttft=2.5),  # too late for both
+    result(kind="long", ttft=9.0, e2e=30.0),  # long: good (<= 10 s)
+    result(kind="long", ttft=11.0, e2e=40.0),  # long: too late
+    result(status=429, ttft=None, e2e=None, code="queue_timeout", tokens=None, retry_after=2.0),
+    result(status=429, ttft=None, e2e=None, code="queue_timeout", tokens=None, retry_after=4.0),
+    result(status=0, ttft=0.3, e2e=None, code="TimeoutError", tokens=None),  # first token, then cut
+    result(status=503, ttft=None, e2e=None, code="no_replica", tokens=None),
+]
+
+
+def test_goodput_counts_completed_requests_within_their_kinds_target_per_second():
+    assert goodput(HAND_MADE, 5.0, short_ttft_s=1.0, long_ttft_s=10.0) == pytest.approx(3 / 5)
+    assert goodput(HAND_MADE, 5.0, short_ttft_s=2.0, long_ttft_s=10.0) == pytest.approx(4 / 5)
+
+
+def test_a_request_that_timed_out_after_its_first_token_is_not_goodput():
+    assert not within_slo(HAND_MADE[8], short_ttft_s=2.0, long_ttft_s=10.0)
+
+
+def test_figures_split_outcomes_by_reason_and_compute_rates():
+    counters = {"vllm:num_preemptions_total": 7.0, "vllm:prefix_cache_hits_total": 300.0,
+                "vllm:prefix_cache_queries_total": 1200.0, "vllm:generation_tokens_total": 900.0}
+    got = metrics.figures(HAND_MADE, 5.0, counters)
+    assert got["requests"] == 10 and got["completed"] == 6
+    assert got["refused"] == {"429 queue_timeout": 2}
+    assert got["failed"] == {"503 no_replica": 1, "timeout": 1}
+    assert got["goodput_per_s"] == {"short_ttft_1s": 0.6, "short_ttft_2s": 0.8}
+    assert got["completed_per_s"] == 1.2
+    assert got["output_tokens_per_s"] == 120.0  # six completed x 100 tokens / 5 s
+    assert got["preemptions"] == 7 and got["prefix_cache_hit_rate"] == 0.25
+    assert got["retry_after_s_median"] == 3.0
+    # Latencies of completed requests only: the timed-out one's 0.3 s is not among them.
+    assert got["ttft_s"]["short"] == {"p50": 1.0, "p99": 2.5, "n": 4}
+    assert got["ttft_s"]["long"]["n"] == 2 and got["ttft_s"]["critical"]["n"] == 0
+
+
+def test_outcome_names_every_kind_of_failure():
+    assert metrics.outcome(result(status=0, code="ServerDisconnectedError")) == (
+        "failed", "dropped (ServerDisconnectedError)")
+    assert metrics.outcome(result(status=0, code="stream_error")) == ("failed", "error mid-stream")
+    assert metrics.outcome(result(status=400, code="context_length_exceeded")) == (
+        "refused", "400 context_length_exceeded")
+
+
+def test_wall_times_become_simulated_seconds():
+    [sim] = metrics.to_simulated([result(ttft=0.25, e2e=1.0)], time_scale=0.25)
+    assert (sim.ttft_s, sim.e2e_s, sim.sent_s) == (1.0, 4.0, 0.0)
+
+
+def test_counters_are_summed_over_label_sets_and_other_samples_ignored():
+    text = "\n".join([
+        "# HELP vllm:num_preemptions_total Cumulative number of preemption.",
+        "# TYPE vllm:num_preemptions_total counter",
+        'vllm:num_preemptions_total{engine="0",model_name="a b"} 3.0',
+        'vllm:num_preemptions_total{engine="1",model_name="c"} 2.0',
+        'vllm:num_preemptions_created{engine="0",model_name="c"} 1.7e9',
+        "vllm:prefix_cache_hits_total 10",
+    ])
+    got = metrics.parse_counters(text)
+    assert got["vllm:num_preemptions_total"] == 5.0
+    assert got["vllm:prefix_cache_hits_total"] == 10.0
+    assert got["vllm:prefix_cache_queries_total"] == 0.0
+    assert metrics.increase({"x": 1.0}, {"x": 4.0, "y": 2.0}) == {"x": 3.0, "y": 2.0}
+
+
+def test_medians_over_repeats_count_a_missing_reason_as_zero():
+    runs = [
+        {"workload": "w", "load": 1.0, "contender": "c", "repeat": 0, "completed": 10,
+         "refused": {"429 queue_timeout": 4}, "goodput_per_s": {"short_ttft_2s": 1.0}},
+        {"workload": "w", "load": 1.0, "contender": "c", "repeat": 1, "completed": 12,
+         "refused": {}, "goodput_per_s": {"short_ttft_2s": 2.0}},
+        {"workload": "w", "load": 1.0, "contender": "c", "repeat": 2, "completed": 20,
+         "refused": {"429 queue_timeout": 1}, "goodput_per_s": {"short_ttft_2s": 4.0}},
+        {"workload": "w", "load": 1.0, "contender": "gone", "repeat": 0, "error": "no router"},
+    ]
+    rows = {r["contender"]: r for r in report.medians(runs)}
+    assert rows["c"]["repeats"] == 3 and rows["c"]["completed"] == 12
+    assert rows["c"]["refused"] == {"429 queue_timeout": 1}
+    assert rows["c"]["goodput_per_s"] == {"short_ttft_2s": 2.0}
+    assert rows["gone"] == {"workload": "w", "load": 1.0, "contender": "gone", "repeats": 0,
+                            "error": "no router"}
+
+
+def test_ratios_divide_each_contenders_goodput_by_the_baselines_at_the_same_load():
+    rows = [{"workload": "w", "load": 2.0, "contender": name, "goodput_per_s": {"short_ttft_2s": g}}
+            for name, g in (("direct-rr", 4.0), ("kvgate-predicted", 5.0))]
+    text = report.ratios(rows)
+    assert "| kvgate-predicted | 1.25 |" in text and "| direct-rr | 1.00 |" in text
