@@ -15,7 +15,8 @@ CDF of short requests' TTFT at 2x load.
 
     .venv/bin/python bench/fleet.py [--quick] [--repeats N] [--workloads mix realistic]
         [--loads 0.5 1 2 3] [--contenders direct-rr kvgate-predicted ...]
-        [--duration S] [--timeout S] [--time-scale 0.25] [--seed 0] [--out-dir DIR]
+        [--duration S] [--warmup S] [--ttft-timeout S] [--timeout S] [--time-scale 0.25]
+        [--seed 0] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ from fleetbench import capacity, contenders, fleet, measure, report, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = {"workloads": ["mix", "realistic"], "loads": [0.5, 1.0, 2.0, 3.0],
-        "contenders": list(contenders.CONTENDERS), "duration": 40.0, "timeout": 60.0,
-        "repeats": 1}  # fmt: skip
+        "contenders": list(contenders.CONTENDERS), "duration": 40.0, "repeats": 1}
 QUICK = {"workloads": ["realistic"], "loads": [1.0, 2.0],
          "contenders": ["direct-rr", "vllm-router-cache_aware", "kvgate-worst",
                         "kvgate-predicted", "kvgate-redis-x2"],
-         "duration": 32.0, "timeout": 60.0, "repeats": 1}  # fmt: skip
+         "duration": 32.0, "repeats": 1}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,9 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", nargs="+", choices=list(workloads.WORKLOADS))
     parser.add_argument("--loads", nargs="+", type=float, help="multiples of capacity")
     parser.add_argument("--contenders", nargs="+", choices=list(contenders.CONTENDERS))
-    parser.add_argument("--duration", type=float, help="simulated seconds of arrivals per run")
-    parser.add_argument("--timeout", type=float,
-                        help="simulated seconds a request may take before it counts as failed")
+    parser.add_argument("--duration", type=float,
+                        help="simulated seconds of counted arrivals per run (40; quick 32)")
+    parser.add_argument("--warmup", type=float, default=12.0,
+                        help="simulated seconds of arrivals first, not counted (12)")
+    parser.add_argument("--ttft-timeout", type=float, default=30.0,
+                        help="simulated seconds a request may wait for its first token (30)")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="simulated seconds a request may take in all (90)")
     parser.add_argument("--time-scale", type=float, default=0.25,
                         help="wall seconds per simulated second (0.25)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed of the first repeat")
@@ -82,7 +87,8 @@ def plan(args: argparse.Namespace, rates: dict[str, float]) -> list[measure.RunS
                     specs.append(measure.RunSpec(
                         workloads.WORKLOADS[name], load, round(load * rates[name], 3),
                         contenders.CONTENDERS[contender], repeat, args.seed + repeat,
-                        args.duration, args.timeout, args.time_scale,
+                        args.warmup, args.duration, args.ttft_timeout, args.timeout,
+                        args.time_scale,
                     ))  # fmt: skip
     return specs
 
@@ -104,7 +110,7 @@ async def measure_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     specs = plan(args, {n: e["requests_per_s"] for n, e in estimates.items()})
     runs = []
     for n, spec in enumerate(specs, 1):
-        items = spec.workload.build(spec.seed, spec.duration_s, spec.rate_per_s)
+        items = spec.workload.build(spec.seed, spec.warmup_s + spec.duration_s, spec.rate_per_s)
         folder = logs / spec.run_id
         folder.mkdir(parents=True)
         record = await measure.run(spec, items, folder)
@@ -131,7 +137,8 @@ def describe(args: argparse.Namespace, started: float) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - args.monotonic_start, 1),
         "settings": {"workloads": args.workloads, "loads": args.loads,
                      "contenders": args.contenders, "repeats": args.repeats,
-                     "duration_s": args.duration, "timeout_s": args.timeout,
+                     "warmup_s": args.warmup, "duration_s": args.duration,
+                     "ttft_timeout_s": args.ttft_timeout, "timeout_s": args.timeout,
                      "time_scale": args.time_scale, "seed": args.seed},
         "contenders": {n: contenders.CONTENDERS[n].describe for n in args.contenders},
         "fleet": {name: {**knobs, **fleet.TIMING, **fleet.OVERRIDES.get(name, {})}

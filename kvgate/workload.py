@@ -109,12 +109,14 @@ async def run_workload(
     tenant_header: str | None = "X-Tenant-Id",
     targets: dict[str, list[str]] | None = None,
     timeout_s: float = 120.0,
+    first_token_timeout_s: float | None = None,
 ) -> list[Result]:
     """Send every item at its time, streaming, and return one result per item, in order.
 
     `targets` maps a kind ("short", "long") to base URLs to round-robin over instead of one
     gateway: the baseline without kvgate, or several gateways sharing the load. A request not
-    finished `timeout_s` after it was sent is cancelled and counts as `TimeoutError`."""
+    finished `timeout_s` after it was sent, or without its first token (or an answer that is
+    not a stream) `first_token_timeout_s` after, is cancelled and counts as `TimeoutError`."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     turns: Counter[str] = Counter()
@@ -136,10 +138,11 @@ async def run_workload(
             sent = time.monotonic()
             base = url_for(item)
             failed = partial(Result, item.kind, item.tenant, 0, None, sent_s=sent - start)
+            waiting = asyncio.timeout(first_token_timeout_s)
+            post = session.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
+                                headers={**headers, "Content-Type": "application/json"})
             try:
-                async with session.post(f"{base}/v1/chat/completions", data=orjson.dumps(body),
-                                        headers={**headers, "Content-Type": "application/json"},
-                                        ) as response:  # fmt: skip
+                async with waiting, post as response:
                     pool = response.headers.get("X-Kvgate-Pool")
                     replica = response.headers.get("X-Kvgate-Replica") or base
                     if response.status != 200:
@@ -153,6 +156,7 @@ async def run_workload(
                     async for line in response.content:
                         if ttft is None and _has_text(line):
                             ttft = time.monotonic() - sent
+                            waiting.reschedule(None)  # streaming: only timeout_s applies now
                         elif line.startswith(b'data: {"error"'):
                             return failed("stream_error", None, pool, replica)
                         elif b'"usage":{' in line and line.startswith(b"data: {"):

@@ -2,9 +2,12 @@
 
 Every run starts its own replica processes (nothing inherited from the run before: no cached
 prefix, no queue), then the contender's, then sends the workload from this process, open loop,
-at its times × time_scale. A request not finished `timeout_s` (simulated) after it was sent is
-cancelled and counts as a timeout, so a run lasts at most duration + timeout. The replicas'
-counters are scraped before and after, and their simulated clocks too: `sim_speed` is
+at its times × time_scale. The first `warmup_s` of arrivals fill the fleet (its KV cache and
+queues) and are not counted; the figures are of the requests sent in the `duration_s` after.
+A request without its first token `ttft_timeout_s` (simulated) after it was sent, or not
+finished `timeout_s` after, is cancelled and counts as a timeout, so a run lasts at most
+warmup + duration + timeout. The replicas' counters (over the whole run) are scraped before
+and after, and their simulated clocks too: `sim_speed` is
 simulated seconds × time_scale per wall second, 1.0 when a replica kept pace with the wall
 clock, lower when it was starved of CPU (or its step timer overshot) and so ran slower than
 modelled.
@@ -38,8 +41,10 @@ class RunSpec:
     contender: contenders.Contender
     repeat: int
     seed: int
-    duration_s: float  # simulated
-    timeout_s: float  # simulated, per request
+    warmup_s: float  # simulated, of arrivals not counted
+    duration_s: float  # simulated, of arrivals counted
+    ttft_timeout_s: float  # simulated, per request: until its first token
+    timeout_s: float  # simulated, per request: until its end
     time_scale: float
 
     @property
@@ -78,6 +83,7 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
             results = await run_workload(
                 "", wall_items, targets=running.targets, tenant_header=running.tenant_header,
                 timeout_s=spec.timeout_s * spec.time_scale,
+                first_token_timeout_s=spec.ttft_timeout_s * spec.time_scale,
             )  # fmt: skip
             after = await _scrape(http, replicas)
             cpu_after = _cpu(children)
@@ -89,14 +95,16 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
                     record["redis_keys_cleaned"] = await asyncio.to_thread(
                         contenders.clean_redis, running.redis_prefix)  # fmt: skip
     elapsed = time.monotonic() - started
-    sim_results = metrics.to_simulated(results, spec.time_scale)
+    counted = [r for r, item in zip(results, items, strict=True) if item.at_s >= spec.warmup_s]
+    sim_results = metrics.to_simulated(counted, spec.time_scale)
     counters = metrics.increase(before["counters"], after["counters"])
     walls = after["wall"] - before["wall"]
     speed = {name: round((after["sim_time"][name] - before["sim_time"][name]) * spec.time_scale
                          / walls, 3) for name in after["sim_time"]}  # fmt: skip
     record.update(metrics.figures(sim_results, spec.duration_s, counters))
     record["run"] = {
-        "startup_wall_s": round(ready_s, 2), "wall_s": round(elapsed, 2),
+        "requests_sent": len(items), "startup_wall_s": round(ready_s, 2),
+        "wall_s": round(elapsed, 2),
         "sim_speed": speed, "sim_speed_min": min(speed.values()),
         "cpu_s": {name: round(cpu_after[name] - cpu_before[name], 2) for name in cpu_after},
     }  # fmt: skip

@@ -91,6 +91,22 @@ def figures(results: list[Result], duration_s: float, counters: dict[str, float]
             counters.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else None),
         "generation_tokens": int(counters.get("vllm:generation_tokens_total", 0)),
         "retry_after_s_median": _round(statistics.median(retry_after) if retry_after else None),
+        "by_tenant": {tenant: by_tenant(results, tenant, duration_s)
+                      for tenant in sorted({r.tenant for r in results})},
+    }  # fmt: skip
+
+
+def by_tenant(results: list[Result], tenant: str, duration_s: float) -> dict[str, Any]:
+    """One tenant's requests: how they ended, and its goodput (short TTFT within 2 s)."""
+    mine = [r for r in results if r.tenant == tenant]
+    ended = Counter(outcome(r)[0] for r in mine)
+    refused = Counter(outcome(r)[1] for r in mine if outcome(r)[0] == "refused")
+    return {
+        "requests": len(mine), "completed": ended["completed"], "refused": dict(refused),
+        "failed": ended["failed"],
+        "goodput_per_s": _round(goodput(mine, duration_s, short_ttft_s=SHORT_TTFT_SLOS_S[-1],
+                                        long_ttft_s=LONG_TTFT_SLO_S)),
+        "ttft_s": latency(r.ttft_s for r in mine if r.status == 200),
     }  # fmt: skip
 
 

@@ -113,12 +113,13 @@ def legend() -> str:
     return (
         f"goodput@Ns: requests per simulated second of the workload that completed with their "
         f"first token within N s (short; {slos} reported) or {LONG_TTFT_SLO_S:g} s (long). "
+        "Counts and latencies are of the requests sent after the warm-up. "
         "done/refused/failed: request counts (refused = 4xx by status and code; failed = 5xx, "
         "dropped, error mid-stream or timeout). Latencies: simulated seconds, completed "
         "requests; crit = the critical tenant. out tok/s: completed requests' output tokens "
         "per simulated second of the workload. preempt, hit rate: the replicas' own counters "
         "(vllm:num_preemptions_total; vllm:prefix_cache_hits_total / queries), summed over the "
-        "fleet. sim speed: the slowest replica's simulated seconds × time_scale per wall "
+        "fleet, over the whole run (warm-up included). sim speed: the slowest replica's simulated seconds × time_scale per wall "
         "second (1.00 = kept pace)."
     )
 
@@ -240,8 +241,10 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         "",
         f"- Runs: workloads {', '.join(settings['workloads'])}; loads "
         f"{', '.join(f'{x:g}x' for x in settings['loads'])} of capacity; "
-        f"{settings['duration_s']:g} simulated seconds of open-loop Poisson arrivals per run, "
-        f"a request cancelled (failed: timeout) {settings['timeout_s']:g} s after it was sent; "
+        f"{settings['warmup_s']:g} simulated seconds of open-loop Poisson arrivals to fill the "
+        f"fleet, then {settings['duration_s']:g} s whose requests are counted; a request "
+        f"cancelled (failed: timeout) without its first token {settings['ttft_timeout_s']:g} s "
+        f"after it was sent, or unfinished after {settings['timeout_s']:g} s; "
         f"{settings['repeats']} repeat(s), medians reported, contender order alternating. "
         "Every run starts a fresh fleet (no cache or queue inherited) and the contender's "
         "own processes; the load generator is this process.",

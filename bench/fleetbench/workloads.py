@@ -13,7 +13,8 @@ sees, with three tenants:
 
 Arrivals are Poisson (sessions and bursts start as Poisson processes; a session's next turn
 follows after a think time, whatever happened to the previous one, so the workload is the
-same for every contender). Every word of the generated text is one cl100k token, so the
+same for every contender). Sessions already start before time 0 (their earlier turns are
+history, never sent), so requests arrive at the full rate from the first second. Every word of the generated text is one cl100k token, so the
 prompt sizes below are close to what the replicas count.
 """
 
@@ -76,8 +77,9 @@ def build_realistic(seed: int, duration_s: float, rate: float) -> list[WorkItem]
     rng = random.Random(seed)
     items: list[WorkItem] = []
     mean_turns = sum(TURNS) / len(TURNS)
-    for start in _poisson(rng, rate * CHAT_SHARE / mean_turns, duration_s):
-        items.extend(_session(rng, start, duration_s))
+    lead = THINK_S * max(TURNS) * 2  # sessions under way at time 0
+    for start in _poisson(rng, rate * CHAT_SHARE / mean_turns, duration_s + lead):
+        items.extend(_session(rng, start - lead, duration_s))
     for at in _poisson(rng, rate * VIP_SHARE, duration_s):
         question = f"Question about {_text(rng, 3)}: {_text(rng, rng.randint(20, 60))}?"
         items.append(_chat(at, "short", "vip", SYSTEM_PROMPT, [question], [], 1024))
@@ -108,8 +110,9 @@ def _session(rng: random.Random, start: float, duration_s: float) -> list[WorkIt
             break
         questions.append(f"{_text(rng, rng.randint(15, 80))}?")
         max_tokens = rng.choice([1024, 2048, 4096])
-        turns.append(_chat(at, "short", "chat-app", ASSISTANT_PROMPT, questions, answers,
-                           max_tokens))  # fmt: skip
+        if at >= 0:  # earlier turns happened before the run: history only
+            turns.append(_chat(at, "short", "chat-app", ASSISTANT_PROMPT, questions, answers,
+                               max_tokens))  # fmt: skip
         # What the assistant said, as the client will resend it: a few hundred tokens.
         answers.append(_text(rng, min(600, int(rng.lognormvariate(5.6, 0.5)))))
         at += rng.expovariate(1 / THINK_S)

@@ -53,6 +53,9 @@ def test_figures_split_outcomes_by_reason_and_compute_rates():
     # Latencies of completed requests only: the timed-out one's 0.3 s is not among them.
     assert got["ttft_s"]["short"] == {"p50": 1.0, "p99": 2.5, "n": 4}
     assert got["ttft_s"]["long"]["n"] == 2 and got["ttft_s"]["critical"]["n"] == 0
+    assert got["by_tenant"]["chat-app"] == {
+        "requests": 10, "completed": 6, "refused": {"429 queue_timeout": 2}, "failed": 2,
+        "goodput_per_s": 0.8, "ttft_s": {"p50": 2.5, "p99": 11.0, "n": 6}}
 
 
 def test_outcome_names_every_kind_of_failure():

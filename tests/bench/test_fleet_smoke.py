@@ -17,7 +17,8 @@ RUN_FIELDS = {"workload", "load", "rate_per_s", "contender", "repeat", "requests
 @pytest.mark.timeout(240)
 def test_a_tiny_run_of_two_contenders_writes_every_figure(tmp_path, capsys):
     code = fleet.main(["--workloads", "realistic", "--contenders", "direct-rr", "kvgate-predicted",
-                       "--loads", "2", "--duration", "4", "--timeout", "12",
+                       "--loads", "2", "--warmup", "2", "--duration", "4",
+                       "--ttft-timeout", "8", "--timeout", "12",
                        "--out-dir", str(tmp_path)])  # fmt: skip
     assert code == 0
     [path] = tmp_path.glob("fleet-*.json")
