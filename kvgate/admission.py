@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvgate.config import AdmissionConfig
+from kvgate.config import PRIORITY_CLASSES, AdmissionConfig
 from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
@@ -49,6 +49,8 @@ POLL_INTERVAL_S = 0.1
 GROW_INTERVAL_S = 0.05
 # A waiter that has used this share of its wait budget is not passed by smaller requests.
 AGING_SHARE = 0.5
+# The rate a pool frees blocks at, for early refusals, is measured over this window.
+FREED_WINDOW_S = 10.0
 # Growth is forced: the request already runs, and the ledger must show what it holds.
 UNLIMITED = 1 << 40
 
@@ -154,11 +156,13 @@ class _PoolQueue:
     worst_cases: deque[int] = field(default_factory=lambda: deque(maxlen=512))
 
     def freed_per_s(self, now: float) -> float | None:
-        """Blocks given back per second, recently; None while too few releases are known."""
-        if len(self.freed) < 4:
+        """Blocks given back per second over the last FREED_WINDOW_S; None while fewer than
+        four releases fall in it (a quiet pool says nothing about how fast it would free)."""
+        recent = [(t, b) for t, b in self.freed if now - t <= FREED_WINDOW_S]
+        if len(recent) < 4:
             return None
-        span = now - self.freed[0][0]
-        return sum(b for _, b in self.freed) / span if span > 0 else None
+        span = max(now - recent[0][0], 0.1)
+        return sum(b for _, b in recent) / span
 
 
 class Admission:
@@ -211,7 +215,7 @@ class Admission:
         pool.worst_cases.append(max(demand.blocks_on(r) for r in candidates))
         started = time.monotonic()
         slot = None
-        if not len(pool.queue):
+        if not self._competition(pool, demand, candidates):
             slot = await self._try_place(demand, candidates, config, started)
         if slot is None:
             slot = await self._wait(pool, demand, candidates, config, started)
@@ -299,11 +303,13 @@ class Admission:
                     return None
                 self.keeper.add(key, shared.lease_id)  # lives while requests share it
                 self._count(replica.id, prefix_blocks)
-            elif shared.live:
+            elif shared.live and shared.blocks <= prefix_blocks:
                 shared.refs += 1
             else:
-                shared = None  # being acquired by another request: no credit yet
-        own = blocks - (shared.blocks if shared else 0)
+                # being acquired by another request, or larger than this request's own prefix
+                # (its estimate moved since): no credit, lest the request reserve less than 0
+                shared = None
+        own = max(0, blocks - (shared.blocks if shared else 0))
         try:
             granted = await self._acquire(key, lease_id, own, limit, ttl)
         except BaseException:  # store failure or cancellation: the prefix is not ours to keep
@@ -402,25 +408,55 @@ class Admission:
                 time.monotonic() - started
             )
 
-    def expected_wait(self, pool: _PoolQueue, ticket: Ticket, config: AdmissionConfig) -> float | None:
-        """Seconds until the blocks of every ticket up to this one are free, at the rate the
-        pool has been freeing blocks; None while that rate is unknown."""
-        rate = pool.freed_per_s(time.monotonic())
-        if rate is None:
-            return None
-        demand, candidates, _ = ticket.payload
-        needed = 0
+    def _competition(
+        self, pool: _PoolQueue, demand: Demand, candidates: Sequence[Replica],
+        upto: Ticket | None = None, room: int | None = None,
+    ) -> list[Ticket]:
+        """The queued requests, ahead in service order (up to `upto`), that want one of these
+        replicas and will start before this demand: every one of a better class; of its own
+        class, those that fit in `room` or have aged (a larger one that does not fit yet is
+        passed)."""
+        rank = PRIORITY_CLASSES.index(demand.priority)
+        ids = {r.id for r in candidates}
+        budget = self.config().queue.budget(demand.priority)
+        now = time.monotonic()
+        ahead = []
         for queued in pool.queue:
-            queued_demand, queued_candidates, _ = queued.payload
-            needed += min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
-            if queued is ticket:
+            if queued is upto:
                 break
+            queued_demand, queued_candidates, future = queued.payload
+            if future.done() or queued.rank > rank:
+                continue
+            if not any(r.id in ids for r in queued_candidates):
+                continue
+            if queued.rank == rank and room is not None:
+                need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
+                aged = now - queued.enqueued_at > AGING_SHARE * budget
+                if need > room and not aged:
+                    continue
+            ahead.append(queued)
+        return ahead
+
+    def expected_wait(self, pool: _PoolQueue, ticket: Ticket, config: AdmissionConfig) -> float | None:
+        """Seconds until this request and those that start before it could all run, at the
+        rate the pool has freed blocks over the last FREED_WINDOW_S; None when they may fit
+        now or that rate is unknown."""
+        demand, candidates, _ = ticket.payload
         free = 0
         for replica in candidates:
             limit = self.limit(replica, demand, config)
             if limit is not None and replica.healthy:
                 free += max(0, limit - self.reserved.get(replica.id, 0))
-        return max(0.0, needed - free) / rate if rate > 0 else None
+        needed = min((demand.blocks_on(r) for r in candidates), default=0)
+        for queued in self._competition(pool, demand, candidates, upto=ticket, room=free):
+            queued_demand, queued_candidates, _ = queued.payload
+            needed += min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
+        if needed <= free:
+            return None  # it may start now: let the dispatcher try
+        rate = pool.freed_per_s(time.monotonic())
+        if not rate:
+            return None
+        return min(config.queue.max_wait_s, (needed - free) / rate)
 
     async def dispatch(self, pool_name: str) -> None:
         """Serve one pool's queue in fair order until cancelled (one task per pool).
@@ -439,29 +475,42 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: _PoolQueue) -> None:
+        """One pass over the queue in service order. A request that does not fit puts up a
+        barrier on the replicas it could use: requests of a lower class may not take them, nor
+        may anyone once it has used AGING_SHARE of its wait budget. Requests for other replicas
+        go on. Within a pass, once a request of n blocks did not fit on a set of replicas,
+        larger ones for the same set are not tried."""
         config = self.config()
         now = time.monotonic()
-        smallest_refused: int | None = None
+        barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
+        refused: dict[tuple[frozenset[str], bool], int] = {}
         for ticket in list(pool.queue):
             demand, candidates, future = ticket.payload
             if future.done():
                 pool.queue.remove(ticket)
                 continue
-            need = min((demand.blocks_on(r) for r in candidates), default=0)
-            if smallest_refused is not None and need >= smallest_refused:
+            closed = {
+                rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
+            }
+            usable = [r for r in candidates if r.id not in closed]
+            if not usable:
+                continue
+            ids = frozenset(r.id for r in usable)
+            need = min(demand.blocks_on(r) for r in usable)
+            smallest = refused.get((ids, demand.predicted))
+            if smallest is not None and need >= smallest:
                 continue
             try:
-                slot = await self._try_place(demand, candidates, config, ticket.enqueued_at)
+                slot = await self._try_place(demand, usable, config, ticket.enqueued_at)
             except Exception as exc:  # a store failure ends this waiter, not the loop
                 if not future.done():
                     future.set_exception(exc)
                 pool.queue.remove(ticket)
                 continue
             if slot is None:
-                smallest_refused = need if smallest_refused is None else min(smallest_refused, need)
+                refused[(ids, demand.predicted)] = min(need, smallest or need)
                 aged = now - ticket.enqueued_at > AGING_SHARE * config.queue.budget(ticket.priority)
-                if aged:
-                    return
+                barriers.append((ticket.rank, aged, ids))
                 continue
             pool.queue.serve(ticket)
             slot.queued = True

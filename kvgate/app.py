@@ -125,7 +125,16 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
 
 
 def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-    return asyncio.get_running_loop().create_task(coro)
+    """A background task that says so if it dies: a dead dispatcher would leave its pool's
+    requests waiting until they time out."""
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(_report_death)
+    return task
+
+
+def _report_death(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("background task %s died", task.get_coro(), exc_info=task.exception())
 
 
 async def _refresh_gauges(gateway: Gateway) -> None:

@@ -146,30 +146,29 @@ class Calibration:
         return self._solve_bounded(a, b, fit.terms)
 
     def _solve_bounded(self, a: list[list[float]], b: list[float], fallback: Terms) -> Terms:
-        """Solve within the bounds: a term that falls outside is fixed at its bound and the
-        others are solved again with it (clamping each alone could leave a combination that
-        fits nothing)."""
+        """Minimise the ridge objective within the bounds: the exact solve when it lands inside
+        them (the usual case), else projected coordinate descent from there — exact for this
+        strictly convex problem, where clamping each term alone could leave a combination far
+        from the best one within bounds."""
         bounds = ((self.low, self.high), PER_MESSAGE_BOUNDS, PER_REQUEST_BOUNDS)
-        fixed: dict[int, float] = {}
-        for _ in range(3):
-            free = [i for i in range(3) if i not in fixed]
-            rhs = [b[i] - sum(a[i][j] * v for j, v in fixed.items()) for i in free]
-            sub = [[a[i][j] for j in free] for i in free]
-            solved = _solve(sub, rhs)
-            if solved is None:
-                return fallback
-            values = dict(fixed)
-            values.update(zip(free, solved, strict=True))
-            outside = {
-                i: min(bounds[i][1], max(bounds[i][0], values[i]))
-                for i in free if not bounds[i][0] <= values[i] <= bounds[i][1]
-            }
-            if not outside:
-                return Terms(values[0], values[1], values[2])
-            fixed.update(outside)
-            if len(fixed) == 3:
+        solved = _solve(a, b)
+        x = list(fallback.vector()) if solved is None else solved
+        if solved is not None and all(lo <= v <= hi for v, (lo, hi) in zip(x, bounds, strict=True)):
+            return Terms(x[0], x[1], x[2])
+        x = [min(hi, max(lo, v)) for v, (lo, hi) in zip(x, bounds, strict=True)]
+        for _ in range(500):
+            moved = 0.0
+            for i in range(3):
+                if a[i][i] <= 0:
+                    continue
+                rest = b[i] - sum(a[i][j] * x[j] for j in range(3) if j != i)
+                lo, hi = bounds[i]
+                value = min(hi, max(lo, rest / a[i][i]))
+                moved = max(moved, abs(value - x[i]) / (hi - lo))
+                x[i] = value
+            if moved < 1e-9:
                 break
-        return Terms(fixed[0], fixed[1], fixed[2])
+        return Terms(x[0], x[1], x[2])
 
     def _bounded(self, terms: Terms) -> Terms:
         return Terms(

@@ -136,7 +136,7 @@ class Gateway:
 
     def terms(self, parsed: ParsedRequest, count: PromptCount) -> Terms:
         prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-        return self.calibration.terms(parsed.model, parsed.endpoint.name.lower(), prior)
+        return self.calibration.terms(parsed.model, fit_name(parsed, count), prior)
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
@@ -227,9 +227,10 @@ class Gateway:
         (nothing reached the replica) are refunded whole when the budget's context exits."""
         usage = outcome.usage
         if usage is not None:
-            if not count.media_tokens:  # an image's true cost would only skew the text's fit
+            # an image's true cost, or a prompt vLLM truncated, would only skew the text's fit
+            if not count.media_tokens and parsed.body.get("truncate_prompt_tokens") is None:
                 prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-                endpoint = parsed.endpoint.name.lower()
+                endpoint = fit_name(parsed, count)
                 self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior
                 )
@@ -240,11 +241,16 @@ class Gateway:
                 self.predictor.observe(info.tenant, parsed.model, completion // sequences)
         elif (
             outcome.sent_at is None  # never sent
+            or outcome.unreachable  # the connection failed: the replica never had it
             or outcome.status >= 400  # refused by the replica
-            or (outcome.upstream_failed and outcome.status == 0)  # unreachable, or no answer
+            or (outcome.upstream_failed and outcome.status == 0 and parsed.stream)
         ):
-            return  # nothing processed that the tenant caused: refunded whole on exit
-        else:  # the client left, or the stream broke: what the replica processed so far
+            # nothing processed that the tenant caused (a stream that never began: vLLM sends
+            # the headers at once, so the replica was not working on it): refunded on exit
+            return
+        else:
+            # the client left, the stream broke, or kvgate gave up waiting for a whole answer
+            # the replica was still computing: what the replica processed so far
             prompt, completion = bound.prompt_tokens, processed_tokens(parsed, bound, outcome)
         info.charged_tokens = prompt + completion
         await self.budgets.settle(charge, prompt, completion)
@@ -270,7 +276,7 @@ class Gateway:
         if outcome.usage is not None and outcome.sent_at is not None:
             # one sequence's pace here: from the first token for streams, from sending for
             # whole answers (which then includes the prefill: a slightly low rate)
-            per_sequence = outcome.usage.completion_tokens // parsed.sequences
+            per_sequence = outcome.usage.completion_tokens // (bound.prompts * parsed.sequences)
             since = outcome.first_token_at if parsed.stream else outcome.sent_at
             if since is not None:
                 slot.replica.observe_rate(per_sequence, now - since)
@@ -298,6 +304,13 @@ class Gateway:
             if ready:
                 return pool, self.policy.order(ready, self.admission.reserved)
         raise NoReplica(f"no healthy replica in pool {first_pool!r} serves model {model!r}")
+
+
+def fit_name(parsed: ParsedRequest, count: PromptCount) -> str:
+    """Which calibration fit a request belongs to: per endpoint, and apart for chats counted
+    with the model's own template (their features mean something else)."""
+    name = parsed.endpoint.name.lower()
+    return f"{name}+template" if count.templated else name
 
 
 def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:

@@ -21,10 +21,12 @@ bounded by its own timeout, and a request whose handler has returned holds nothi
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 async def finish(release: Awaitable[T]) -> T:
@@ -42,8 +44,10 @@ async def finish(release: Awaitable[T]) -> T:
             if cancelled is not None:
                 raise cancelled from None
             raise
-        except BaseException:
+        except BaseException as exc:
             if cancelled is not None:
+                # the caller only sees its cancellation: say what went wrong in the release
+                log.error("a release failed after its request was cancelled", exc_info=exc)
                 raise cancelled from None
             raise
         if cancelled is not None:

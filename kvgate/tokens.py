@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from kvgate.calibration import Features
+from kvgate.errors import BadRequest
 
 if TYPE_CHECKING:
     from kvgate.chat_template import ChatTemplate
@@ -146,6 +147,15 @@ def message_text(content: Any) -> str:
     return orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
 
 
+def _json(value: Any, field: str) -> str:
+    """Canonical JSON of a part of the request, for counting; nesting deeper than the encoder
+    can write is the client's error, not kvgate's."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except orjson.JSONEncodeError as exc:
+        raise BadRequest(f"'{field}' cannot be encoded: {exc}", param=field.split("[")[0]) from None
+
+
 def media_parts(content: Any) -> int:
     """Content parts that are not text (images, audio, files): each costs a configured number
     of tokens, since their true cost depends on the model's encoder, not on the bytes sent."""
@@ -217,7 +227,7 @@ class PromptCounter:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> PromptCount:
-        pending: list[tuple[bytes, str]] = []
+        pending: list[tuple[bytes, str, str]] = []  # (key, text, name) not yet counted
         keys: list[bytes] = []
         counts: list[int] = []
         chars = media = 0
@@ -225,30 +235,33 @@ class PromptCounter:
             content = message.get("content")
             text = message_text(content)
             for call in message.get("tool_calls") or ():
-                text += orjson.dumps(call, option=orjson.OPT_SORT_KEYS).decode()
-            chars += len(text)
+                text += _json(call, "messages[].tool_calls")
+            name = str(message.get("name") or "")
+            chars += len(text) + len(name)
+            # role, name and text: what the template renders of the message
             key = hashlib.blake2b(
-                f"{message.get('role')}\x00".encode() + text.encode(), digest_size=16
+                f"{message.get('role')}\x00{name}\x00".encode() + text.encode(), digest_size=16
             ).digest()
             keys.append(key)
-            extra = 0
             media += self.media_part_tokens * media_parts(content)
-            if message.get("name"):
-                extra += self.name_tokens + self._count_now(str(message["name"]))
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                counts.append(extra + cached)
+                counts.append(cached)
             else:
                 self.cache_misses += 1
-                pending.append((key, text))
-                counts.append(extra)
-        tools_text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
-        found = await self._count_many([text for _, text in pending] + [tools_text])
-        new = dict(zip((key for key, _ in pending), found, strict=False))
-        for key, n in new.items():
-            self._remember(key, n)
+                pending.append((key, text, name))
+                counts.append(0)
+        tools_text = _json(tools, "tools") if tools else ""
+        chars += len(tools_text)
+        texts = [t for _, text, name in pending for t in (text, name)]
+        found = await self._count_many([*texts, tools_text], chars)
+        new = {}
+        for i, (key, _, name) in enumerate(pending):
+            text_tokens, name_tokens = found[2 * i], found[2 * i + 1]
+            new[key] = text_tokens + (self.name_tokens + name_tokens if name else 0)
+            self._remember(key, new[key])
         counts = [c + new.get(k, 0) for c, k in zip(counts, keys, strict=True)]
         units = len(messages) + (1 if tools else 0)  # a tools block renders as one message
         features = Features(sum(counts) + found[-1], units, 1)
@@ -308,11 +321,14 @@ class PromptCounter:
             if chars <= OFF_LOOP_CHARS:
                 return count()
             return await asyncio.to_thread(count)
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError):
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, RecursionError,
+                LookupError, AttributeError):
             return None
 
-    async def _count_many(self, texts: list[str]) -> list[int]:
-        if not texts or sum(len(t) for t in texts) <= OFF_LOOP_CHARS:
+    async def _count_many(self, texts: list[str], chars: int | None = None) -> list[int]:
+        if chars is None:
+            chars = sum(len(t) for t in texts)
+        if not texts or chars <= OFF_LOOP_CHARS:
             return [self._count_now(t) for t in texts]
         return await asyncio.to_thread(lambda: [self._count_now(t) for t in texts])
 

@@ -57,6 +57,7 @@ class Outcome:
     done: bool = False  # the client was sent the whole answer ([DONE], or the full body)
     client_disconnected: bool = False
     upstream_failed: bool = False
+    unreachable: bool = False  # the request never got to the replica (connection failed)
 
     def completion_tokens(self) -> int:
         return self.usage.completion_tokens if self.usage else self.streamed_tokens
@@ -145,6 +146,7 @@ class Relay:
             ) from None
         except aiohttp.ClientError as exc:
             outcome.upstream_failed = True
+            outcome.unreachable = isinstance(exc, aiohttp.ClientConnectorError)
             raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
         async with upstream:
             outcome.status = upstream.status

@@ -138,3 +138,87 @@ class contextlib_stack:
     async def __aexit__(self, *exc: object) -> None:
         for context in reversed(self.contexts):
             await context.__aexit__(None, None, None)
+
+
+async def test_a_request_never_reserves_less_than_nothing_when_a_larger_prefix_is_shared(gate):
+    r = replica("a", blocks=200)
+    big_prefix = Demand("p", "m", 16 * 80, "t", "standard", prefix_key="m:sys",
+                        prefix_tokens=16 * 70)
+    small = Demand("p", "m", 16 * 10, "t", "standard", prefix_key="m:sys", prefix_tokens=16 * 9)
+    async with gate.admission.admit(big_prefix, [r]):
+        held = await gate.held(r)
+        async with gate.admission.admit(small, [r]) as slot:
+            assert slot.blocks >= 0 and slot.shared is None  # no credit from a larger prefix
+            assert await gate.held(r) == held + 10
+
+
+async def test_a_waiting_critical_request_is_not_passed_by_standard_ones(gate):
+    r = replica("a", blocks=100)
+    async with gate.admission.admit(Demand("p", "m", 16 * 80, "t", "standard"), [r]) as first:
+        critical = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "vip", "critical"), r))
+        await asyncio.sleep(0.05)
+        small = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), r))
+        await asyncio.sleep(0.2)
+        assert not small.done()  # 10 blocks are free, but the critical request waits for them
+        assert first.blocks == 80
+    assert await critical in (50, 60)  # it got its 50 first; the small one may follow at once
+    await small
+
+
+async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_replica(gate):
+    full, idle = replica("full", blocks=100), replica("idle", blocks=100)
+    async with gate.admission.admit(Demand("p", "m", 16 * 95, "t", "standard"), [full]):
+        stuck = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), full))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):
+            assert await enter(gate, Demand("p", "m", 16 * 20, "u", "standard"), idle) == 20
+        assert not stuck.done()
+    await stuck
+
+
+async def test_no_early_refusal_while_the_request_could_start_now():
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=30, wait_budget_s={"standard": 1})))
+    task = asyncio.create_task(g.admission.dispatch("p"))
+    r = replica("a", blocks=100)
+    pool = g.admission._pool("p")
+    now = time.monotonic()
+    for i in range(4):  # a slow pool: 1 block per second
+        pool.freed.append((now - 4 + i, 1))
+    try:
+        async with g.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+            # a large request of the same class waits for 80 blocks; a small one fits in the
+            # 40 free and may pass it: it is not refused for the large one's wait
+            large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 80, "u", "standard"), r))
+            await asyncio.sleep(0.05)
+            async with asyncio.timeout(1):
+                assert await enter(g, Demand("p", "m", 16 * 2, "t", "standard"), r) == 62
+            large.cancel()
+            await asyncio.gather(large, return_exceptions=True)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_not_left_to_wait():
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=30, wait_budget_s={"standard": 1})))
+    task = asyncio.create_task(g.admission.dispatch("p"))
+    r = replica("a", blocks=100)
+    pool = g.admission._pool("p")
+    now = time.monotonic()
+    for i in range(4):  # a slow pool: 1 block per second
+        pool.freed.append((now - 4 + i, 1))
+    try:
+        async with g.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+            critical = asyncio.create_task(
+                enter(g, Demand("p", "m", 16 * 80, "vip", "critical"), r))
+            await asyncio.sleep(0.05)
+            with pytest.raises(RateLimited) as refused:
+                await enter(g, Demand("p", "m", 16 * 2, "t", "standard"), r)
+            assert refused.value.code == "wait_budget_exceeded"
+            critical.cancel()
+            await asyncio.gather(critical, return_exceptions=True)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -72,3 +72,27 @@ def test_the_one_number_ratio_reads_actual_over_estimate():
     assert calibration.ratio("m") == 1.0
     calibration.observe("m", "chat", Features(100, 1, 1), 216, CHATML)  # estimate 108
     assert calibration.ratio("m") == pytest.approx(2.0)
+
+
+def test_a_burst_of_odd_answers_leaves_the_best_terms_within_bounds_not_a_corner():
+    # 300 honest chats, then 60 replies far below anything the text could give (a prompt the
+    # replica truncated, say): the fit must stay the best one within the bounds.
+    rng = random.Random(5)
+    calibration = Calibration()
+    data = []
+    for _ in range(300):
+        f = Features(rng.randint(20, 3000), rng.randint(1, 50), 1)
+        data.append((f, f.text_tokens + 5 * f.messages + 3))
+    for _ in range(60):
+        data.append((Features(4000, 1, 1), 16))
+    for f, actual in data:
+        calibration.observe("m", "chat", f, actual, CHATML)
+    terms = calibration.terms("m", "chat", CHATML)
+
+    def cost(t: Terms) -> float:
+        return sum((t.estimate(f) - y) ** 2 for f, y in data[-200:])
+
+    # no corner of the box does better than what the solver found
+    corners = [Terms(r, m, p) for r in (0.8, 1.5) for m in (0.0, 64.0) for p in (-8.0, 2048.0)]
+    assert all(cost(terms) <= cost(c) for c in corners)
+    assert terms.per_message < 64

@@ -66,8 +66,9 @@ async def books(sim_factory, gateway_factory):
         yield Books(session, gw, sim)
 
 
-async def completed(books: Books) -> None:
-    async with books.session.post(f"{books.gw.url}/v1/chat/completions", json=body(120)) as r:
+async def completed(books: Books, max_tokens: int = 120) -> None:
+    url = f"{books.gw.url}/v1/chat/completions"
+    async with books.session.post(url, json=body(max_tokens)) as r:
         assert r.status == 200
         await r.read()
 
@@ -98,3 +99,28 @@ async def test_every_ending_is_charged_what_the_replica_processed(books):
         assert abs(charged - processed) <= 0.05 * processed, (
             f"{ending.__name__}: charged {charged:.0f} tokens, the replica processed {processed}"
         )
+
+
+async def test_a_whole_answer_kvgate_stopped_waiting_for_is_charged_what_the_replica_did(
+    sim_factory, gateway_factory
+):
+    """kvgate's own first-byte timeout ends a non-streamed request while the replica computes
+    it: a 504 for the client, but not a free answer for the tenant."""
+    sim = await sim_factory(num_gpu_blocks=2048, max_model_len=4096, time_scale=1.0)
+    config = gateway_config(
+        [sim.url], auth={"mode": "none", "anonymous_tenant": "team"},
+        tenants=[{"name": "team", "tokens_per_minute": 1_000_000}],
+        timeouts={"connect_s": 2, "first_byte_s": 1.0, "idle_s": 10, "total_s": 30},
+    )
+    gw = await gateway_factory(config)
+    async with aiohttp.ClientSession() as session:
+        books = Books(session, gw, sim)
+        await books.around(completed(books, 30))  # the replica's pace, well within first_byte_s
+
+        async def timed_out(books: Books) -> None:
+            url = f"{books.gw.url}/v1/chat/completions"
+            async with books.session.post(url, json=body(2000)) as r:
+                assert r.status == 504
+
+        charged, processed = await books.around(timed_out(books))
+    assert abs(charged - processed) <= 0.05 * processed, (charged, processed)

@@ -7,6 +7,7 @@ requests here cost one start-up.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -291,3 +292,16 @@ async def test_hostile_body_gets_a_4xx_in_openai_shape_never_a_500(
 
 async def test_after_all_the_refusals_nothing_is_held(target: Target) -> None:
     await wait_settled(target.gw)
+
+
+async def test_json_nested_deeper_than_kvgate_can_encode_is_a_400_not_a_500(
+    target: Target, nothing_forwarded: None
+):
+    deep: object = {}
+    for _ in range(300):
+        deep = {"x": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    body = json.dumps(chat(tools=[tool])).encode()  # orjson writes at most 255 levels
+    status, _, raw = await target.post(CHAT, body, headers={"Content-Type": "application/json"})
+    assert status == 400
+    assert openai_error(raw)["param"] == "tools"
