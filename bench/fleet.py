@@ -39,7 +39,7 @@ from fleetbench import capacity, contenders, fleet, measure, report, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = {"workloads": ["mix", "realistic"], "loads": [0.5, 1.0, 2.0, 3.0],
-        "contenders": list(contenders.CONTENDERS), "duration": 40.0, "repeats": 1}
+        "contenders": list(contenders.CONTENDERS), "repeats": 1}
 QUICK = {"workloads": ["realistic"], "loads": [1.0, 2.0],
          "contenders": ["direct-rr", "vllm-router-cache_aware", "kvgate-worst",
                         "kvgate-predicted", "kvgate-redis-x2"],
@@ -56,15 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loads", nargs="+", type=float, help="multiples of capacity")
     parser.add_argument("--contenders", nargs="+", choices=list(contenders.CONTENDERS))
     parser.add_argument("--duration", type=float,
-                        help="simulated seconds of counted arrivals per run (40; quick 32)")
-    parser.add_argument("--warmup", type=float, default=12.0,
-                        help="simulated seconds of arrivals first, not counted (12)")
-    parser.add_argument("--ttft-timeout", type=float, default=30.0,
-                        help="simulated seconds a request may wait for its first token (30)")
+                        help="simulated seconds of counted arrivals per run (the workload's: "
+                             "mix 20, realistic 36; quick 32)")  # fmt: skip
+    parser.add_argument("--warmup", type=float,
+                        help="simulated seconds of arrivals first, not counted (the workload's: "
+                             "mix 8, realistic 12)")  # fmt: skip
+    parser.add_argument("--ttft-timeout", type=float, default=20.0,
+                        help="simulated seconds a request may wait for its first token (20)")
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="simulated seconds a request may take in all (90)")
-    parser.add_argument("--time-scale", type=float, default=0.25,
-                        help="wall seconds per simulated second (0.25)")
+    parser.add_argument("--time-scale", type=float,
+                        help="wall seconds per simulated second (the workload's: mix 0.5, "
+                             "realistic 0.25)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="workload seed of the first repeat")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
@@ -75,6 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_settings(args: argparse.Namespace, name: str) -> dict[str, float]:
+    """Warm-up, duration and time scale for one workload: the flags, else its own."""
+    workload = workloads.WORKLOADS[name]
+    return {"warmup_s": workload.warmup_s if args.warmup is None else args.warmup,
+            "duration_s": workload.duration_s if args.duration is None else args.duration,
+            "time_scale": workload.time_scale if args.time_scale is None else args.time_scale}
+
+
 def plan(args: argparse.Namespace, rates: dict[str, float]) -> list[measure.RunSpec]:
     """Every run in order: repeats outermost, the contenders' order reversed every other
     repeat, so drift on a shared machine falls on all of them alike."""
@@ -82,13 +93,14 @@ def plan(args: argparse.Namespace, rates: dict[str, float]) -> list[measure.RunS
     for repeat in range(args.repeats):
         order = args.contenders if repeat % 2 == 0 else args.contenders[::-1]
         for name in args.workloads:
+            run = run_settings(args, name)
             for load in args.loads:
                 for contender in order:
                     specs.append(measure.RunSpec(
                         workloads.WORKLOADS[name], load, round(load * rates[name], 3),
                         contenders.CONTENDERS[contender], repeat, args.seed + repeat,
-                        args.warmup, args.duration, args.ttft_timeout, args.timeout,
-                        args.time_scale,
+                        run["warmup_s"], run["duration_s"], args.ttft_timeout, args.timeout,
+                        run["time_scale"],
                     ))  # fmt: skip
     return specs
 
@@ -101,8 +113,7 @@ async def measure_all(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     estimates = {}
     for name in args.workloads:
         workload = workloads.WORKLOADS[name]
-        nominal = fleet.replicas({n: 0 for n in fleet.REPLICAS}, args.time_scale,
-                                 workload.output_lengths)  # fmt: skip
+        nominal = fleet.replicas({n: 0 for n in fleet.REPLICAS}, 1.0, workload.output_lengths)
         estimates[name] = await asyncio.to_thread(capacity.estimate, workload, nominal)
         print(f"capacity of the fleet for {name}: {estimates[name]['requests_per_s']:.2f} "
               f"requests per simulated second ({estimates[name]['bottleneck_pool']} pool "
@@ -137,9 +148,9 @@ def describe(args: argparse.Namespace, started: float) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - args.monotonic_start, 1),
         "settings": {"workloads": args.workloads, "loads": args.loads,
                      "contenders": args.contenders, "repeats": args.repeats,
-                     "warmup_s": args.warmup, "duration_s": args.duration,
+                     "per_workload": {n: run_settings(args, n) for n in args.workloads},
                      "ttft_timeout_s": args.ttft_timeout, "timeout_s": args.timeout,
-                     "time_scale": args.time_scale, "seed": args.seed},
+                     "seed": args.seed},
         "contenders": {n: contenders.CONTENDERS[n].describe for n in args.contenders},
         "fleet": {name: {**knobs, **fleet.TIMING, **fleet.OVERRIDES.get(name, {})}
                   for name, knobs in fleet.REPLICAS.items()},

@@ -239,19 +239,22 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         "",
         "## How it was measured",
         "",
-        f"- Runs: workloads {', '.join(settings['workloads'])}; loads "
-        f"{', '.join(f'{x:g}x' for x in settings['loads'])} of capacity; "
-        f"{settings['warmup_s']:g} simulated seconds of open-loop Poisson arrivals to fill the "
-        f"fleet, then {settings['duration_s']:g} s whose requests are counted; a request "
-        f"cancelled (failed: timeout) without its first token {settings['ttft_timeout_s']:g} s "
-        f"after it was sent, or unfinished after {settings['timeout_s']:g} s; "
-        f"{settings['repeats']} repeat(s), medians reported, contender order alternating. "
-        "Every run starts a fresh fleet (no cache or queue inherited) and the contender's "
-        "own processes; the load generator is this process.",
-        f"- Time: the replicas run at time_scale {settings['time_scale']:g} (wall seconds per "
-        "simulated second); latencies are the load generator's wall clock ÷ time_scale, and "
-        "kvgate's durations (discovery interval, queue wait budgets) are given in simulated "
-        "seconds × time_scale.",
+        f"- Runs: loads {', '.join(f'{x:g}x' for x in settings['loads'])} of capacity; per "
+        "workload, simulated seconds of open-loop Poisson arrivals sent to fill the fleet "
+        "(warm-up, not counted), then seconds whose requests are counted, and the replicas' "
+        "time_scale (wall seconds per simulated second): "
+        + "; ".join(f"{n} {s['warmup_s']:g} s + {s['duration_s']:g} s at time_scale "
+                    f"{s['time_scale']:g}" for n, s in settings["per_workload"].items())
+        + f". A request is cancelled (failed: timeout) without its first token "
+        f"{settings['ttft_timeout_s']:g} s after it was sent, or unfinished after "
+        f"{settings['timeout_s']:g} s. {settings['repeats']} repeat(s), medians reported, "
+        "contender order alternating. Every run starts a fresh fleet (no cache or queue "
+        "inherited) and the contender's own processes; the load generator is this process.",
+        "- Time: latencies are the load generator's wall clock ÷ time_scale, and kvgate's "
+        "durations (discovery interval, queue wait budgets) are given in simulated seconds × "
+        "time_scale. The replicas' own clocks ran at the \"sim speed\" of the table: below 1 "
+        "they fell behind the wall clock (CPU contention, step timers overshooting), and "
+        "latencies are overstated by up to 1/sim speed.",
         "- Fleet: three normal replicas and one long-context replica, each a `kvgate sim` "
         "process (times in simulated seconds):",
         *fleet_lines,

@@ -66,6 +66,12 @@ class Workload:
     long_pool_min_tokens: int
     # The fleet's output lengths for this workload (SimConfig.output_len_* keys).
     output_lengths: dict[str, Any]
+    # Run settings (simulated seconds): arrivals not counted, then counted; and how fast the
+    # replicas run (wall seconds per simulated second), slow enough for two cores to keep up
+    # with the workload's request rate at 3x.
+    warmup_s: float
+    duration_s: float
+    time_scale: float
 
 
 def build_mix(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
@@ -146,12 +152,15 @@ def _text(rng: random.Random, words: int) -> str:
 
 
 WORKLOADS: dict[str, Workload] = {
-    # The demo's: answers use 60–100% of max_tokens, near the worst case.
+    # The demo's: answers use 60–100% of max_tokens, near the worst case. Many small chats
+    # (the fleet serves ~25 a second), so a slower clock; their answers end within seconds.
     "mix": Workload("mix", build_mix, 3072,
-                    {"output_len_dist": "uniform", "output_len_min_fraction": 0.6}),
+                    {"output_len_dist": "uniform", "output_len_min_fraction": 0.6},
+                    warmup_s=8.0, duration_s=20.0, time_scale=0.5),
     # max_tokens 1024–4096 and answers of a few hundred tokens: a median of 10% of max_tokens,
     # 99% under a third of it (at ~30 tokens/s, a 4096-token answer would outlast a run).
     "realistic": Workload("realistic", build_realistic, 8192,
                           {"output_len_dist": "lognormal", "output_len_median_fraction": 0.1,
-                           "output_len_sigma": 0.5}),
+                           "output_len_sigma": 0.5},
+                          warmup_s=12.0, duration_s=36.0, time_scale=0.25),
 }  # fmt: skip
