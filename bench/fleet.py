@@ -5,8 +5,8 @@ normal replicas and one long-context replica, each its own `kvgate sim` process 
 contender's process(es), and the same seeded open-loop workload is sent from this process.
 Loads are multiples of the fleet's capacity for the workload, estimated once by stepping the
 simulator's engine offline (bench/fleetbench/capacity.py). Times are simulated seconds: the
-replicas run `--time-scale` wall seconds per simulated second, and the load generator's wall
-clock is divided by it. Contenders' order alternates between repeats; reported figures are
+replicas run `--time-scale` wall seconds per simulated second (each workload has its own: as
+fast as two cores keep up with), and the load generator's wall clock is divided by it. Contenders' order alternates between repeats; reported figures are
 medians over repeats.
 
 Writes bench/results/fleet-<date>.json (every run and the medians), fleet.md (the table and
@@ -15,8 +15,8 @@ CDF of short requests' TTFT at 2x load.
 
     .venv/bin/python bench/fleet.py [--quick] [--repeats N] [--workloads mix realistic]
         [--loads 0.5 1 2 3] [--contenders direct-rr kvgate-predicted ...]
-        [--duration S] [--warmup S] [--ttft-timeout S] [--timeout S] [--time-scale 0.25]
-        [--seed 0] [--out-dir DIR]
+        [--duration S] [--warmup S] [--ttft-timeout S] [--timeout S] [--time-scale S]
+        [--seed 0] [--out-dir DIR] [--from-json FILE]
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "realistic 0.25)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="workload seed of the first repeat")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--from-json", type=Path, metavar="FILE",
+                        help="measure nothing: write the table, markdown and plots again "
+                             "from a results file this command wrote")  # fmt: skip
     args = parser.parse_args(argv)
     profile = QUICK if args.quick else FULL
     for name, value in profile.items():
@@ -165,6 +168,10 @@ def describe(args: argparse.Namespace, started: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        document = orjson.loads(args.from_json.read_bytes())
+        write(args.out_dir, document["meta"], document["capacity"], document["runs"])
+        return 0
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     args.monotonic_start = time.monotonic()
     started = time.time()
@@ -179,23 +186,27 @@ def main(argv: list[str] | None = None) -> int:
         except (KeyboardInterrupt, asyncio.CancelledError):
             print("interrupted; every child process was stopped", file=sys.stderr)
             return 130
-    rows = report.medians(measured["runs"])
-    meta = describe(args, started)
-    out: Path = args.out_dir
+    write(args.out_dir, describe(args, started), measured["capacity"], measured["runs"])
+    return 0
+
+
+def write(out: Path, meta: dict[str, Any], estimates: dict[str, Any],
+          runs: list[dict[str, Any]]) -> None:  # fmt: skip
+    """The JSON, the markdown and the plots under `out`; the table on stdout."""
+    rows = report.medians(runs)
     out.mkdir(parents=True, exist_ok=True)
-    day = time.strftime("%Y-%m-%d", time.gmtime(started))
-    plots = report.plots(rows, measured["runs"], out, f"fleet-{day}")
-    document = {"meta": meta, "capacity": measured["capacity"], "results": rows,
-                "runs": measured["runs"], "plots": [p.name for p in plots]}  # fmt: skip
+    day = meta["date"].split()[0]
+    plots = report.plots(rows, runs, out, f"fleet-{day}")
+    document = {"meta": meta, "capacity": estimates, "results": rows, "runs": runs,
+                "plots": [p.name for p in plots]}  # fmt: skip
     (out / f"fleet-{day}.json").write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
-    (out / "fleet.md").write_text(report.markdown(meta, measured["capacity"], rows, plots))
+    (out / "fleet.md").write_text(report.markdown(meta, estimates, rows, plots))
     print()
     print(report.table(rows))
     print(report.legend())
     print(f"\nwrote {out / f'fleet-{day}.json'}, {out / 'fleet.md'} and "
           + (", ".join(p.name for p in plots) if plots else
              "no plots: matplotlib is not installed (pip install -e '.[bench]')"))
-    return 0
 
 
 if __name__ == "__main__":

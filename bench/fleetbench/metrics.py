@@ -30,8 +30,8 @@ def to_simulated(results: Iterable[Result], time_scale: float) -> list[Result]:
     def sim(value: float | None) -> float | None:
         return None if value is None else value / time_scale
 
-    return [dataclasses.replace(r, ttft_s=sim(r.ttft_s), e2e_s=sim(r.e2e_s), sent_s=sim(r.sent_s))
-            for r in results]  # fmt: skip
+    return [dataclasses.replace(r, ttft_s=sim(r.ttft_s), e2e_s=sim(r.e2e_s), sent_s=sim(r.sent_s),
+                                retry_after_s=sim(r.retry_after_s)) for r in results]  # fmt: skip
 
 
 def outcome(result: Result) -> tuple[str, str]:

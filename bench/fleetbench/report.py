@@ -12,9 +12,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .contenders import CONTENDERS
 from .metrics import LONG_TTFT_SLO_S, SHORT_TTFT_SLOS_S
 
 KEY = ("workload", "load", "contender")
+
+
+def _order(row: dict[str, Any]) -> tuple[float, int]:
+    """Rows by load, then contenders as CONTENDERS lists them (baseline first)."""
+    names = list(CONTENDERS)
+    name = row["contender"]
+    return row["load"], names.index(name) if name in names else len(names)
 
 
 def medians(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,8 +96,7 @@ def table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     """One table per workload, rows by load then contender."""
     lines: list[str] = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        mine = sorted((r for r in rows if r["workload"] == workload),
-                      key=lambda r: (r["load"], r["contender"]))  # fmt: skip
+        mine = sorted((r for r in rows if r["workload"] == workload), key=_order)
         header = ["load", "contender", *(name for name, _, _ in COLUMNS)]
         body = [[f"{r['load']:g}x", r["contender"], *(cell(r, p, f) for _, p, f in COLUMNS)]
                 for r in mine]  # fmt: skip
@@ -119,8 +126,8 @@ def legend() -> str:
         "requests; crit = the critical tenant. out tok/s: completed requests' output tokens "
         "per simulated second of the workload. preempt, hit rate: the replicas' own counters "
         "(vllm:num_preemptions_total; vllm:prefix_cache_hits_total / queries), summed over the "
-        "fleet, over the whole run (warm-up included). sim speed: the slowest replica's simulated seconds × time_scale per wall "
-        "second (1.00 = kept pace)."
+        "fleet, over the whole run (warm-up included). sim speed: the slowest replica's "
+        "simulated seconds × time_scale per wall second (1.00 = kept pace)."
     )
 
 
@@ -191,7 +198,8 @@ def ratios(rows: list[dict[str, Any]], baseline: str = "direct-rr") -> str:
     """Goodput (2 s) of each contender over the baseline's in the same run, as a table."""
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        mine = [r for r in rows if r["workload"] == workload and "error" not in r]
+        mine = sorted((r for r in rows if r["workload"] == workload and "error" not in r),
+                      key=_order)  # fmt: skip
         loads = sorted({r["load"] for r in mine})
         base = {r["load"]: r["goodput_per_s"]["short_ttft_2s"] for r in mine
                 if r["contender"] == baseline}  # fmt: skip
@@ -203,9 +211,58 @@ def ratios(rows: list[dict[str, Any]], baseline: str = "direct-rr") -> str:
         for contender in dict.fromkeys(r["contender"] for r in mine):
             got = {r["load"]: r["goodput_per_s"]["short_ttft_2s"] for r in mine
                    if r["contender"] == contender}  # fmt: skip
-            cells = [f"{got[x] / base[x]:.2f}" if base.get(x) and x in got else "—"
-                     for x in loads]  # fmt: skip
+            cells = [_ratio(got.get(x), base.get(x)) for x in loads]
             lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None:
+        return "—"
+    if base == 0:
+        return "—" if value == 0 else "∞ (baseline 0)"
+    return f"{value / base:.2f}"
+
+
+def best(rows: list[dict[str, Any]]) -> str:
+    """Per workload and load, the contender with the highest goodput@2s (ties named)."""
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        parts = []
+        mine = [r for r in rows if r["workload"] == workload and "error" not in r]
+        for load in sorted({r["load"] for r in mine}):
+            at = sorted((r for r in mine if r["load"] == load), key=_order)
+            top = max(r["goodput_per_s"]["short_ttft_2s"] for r in at)
+            leaders = [r["contender"] for r in at if r["goodput_per_s"]["short_ttft_2s"] == top]
+            named = leaders[0] if len(leaders) == 1 else f"{len(leaders)} tied"
+            parts.append(f"{load:g}x {named} ({top:.2f}/s)")
+        lines.append(f"- {workload}, highest goodput@2s: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
+def tenants(rows: list[dict[str, Any]]) -> str:
+    """Per workload at its highest load: each tenant's requests completed and its TTFT."""
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload and "by_tenant" in r]
+        if not mine:
+            continue
+        load = max(r["load"] for r in mine)
+        at = sorted((r for r in mine if r["load"] == load), key=_order)
+        names = sorted({t for r in at for t in r["by_tenant"]})
+        lines += [f"**{workload} at {load:g}x, per tenant**: completed / sent, TTFT p50/p99 (s) "
+                  "of the completed", "",
+                  "| contender | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for r in at:
+            cells = []
+            for name in names:
+                t = r["by_tenant"].get(name) or {}
+                ttft = t.get("ttft_s") or {}
+                cells.append(f"{t.get('completed', 0):g} / {t.get('requests', 0):g}, "
+                             + "/".join("—" if ttft.get(q) is None else f"{ttft[q]:.2f}"
+                                        for q in ("p50", "p99")))
+            lines.append(f"| {r['contender']} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -213,10 +270,10 @@ def ratios(rows: list[dict[str, Any]], baseline: str = "direct-rr") -> str:
 def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[str, Any]],
              plots: list[Path]) -> str:  # fmt: skip
     settings = meta["settings"]
-    fleet_lines = [f"- `{name}`: " + ", ".join(f"{k} {v}" for k, v in knobs.items())
+    fleet_lines = [f"  - `{name}`: " + ", ".join(f"{k} {v}" for k, v in knobs.items())
                    for name, knobs in meta["fleet"].items()]  # fmt: skip
     capacity_lines = [
-        f"- {name}: **{e['requests_per_s']:.2f} requests per simulated second** (the "
+        f"  - {name}: **{e['requests_per_s']:.2f} requests per simulated second** (the "
         f"{e['bottleneck_pool']} pool saturates first; "
         + "; ".join(f"{p['pool']}: {p['saturated_requests_per_s_per_replica']:.2f} req/s "
                     f"per replica, {p['share']:.0%} of requests" for p in e["pools"]) + ")"
@@ -231,10 +288,16 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         f"(load average before: {meta['machine']['load_before']}), "
         f"Python {meta['machine']['python']}.",
         "",
+        best(rows),
+        "",
         table(rows, markdown=True),
         legend(),
         "",
         ratios(rows),
+        tenants(rows),
+        "Tenants: `vip` is critical, `chat-app` standard, `batch` sheddable (max_concurrent 16 "
+        "in kvgate); kvgate-predicted admits the critical class on its worst case.",
+        "",
         *(f"![{p.stem}](/bench/results/{p.name})" for p in plots),
         "",
         "## How it was measured",

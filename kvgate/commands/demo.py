@@ -62,7 +62,8 @@ def _with_keys(tenant: dict[str, Any]) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="kvgate's port (0: any free)")
     parser.add_argument("--workload", action="store_true",
-                        help="drive a mixed workload, without and with kvgate, and summarise")
+                        help="drive a mixed workload without kvgate, then through kvgate "
+                             "admitting on the worst case and on predicted demand; compare")
     parser.add_argument("--duration", type=float, default=10.0, help="workload seconds")
     parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
     parser.add_argument("--time-scale", type=float, default=1.0,

@@ -41,9 +41,13 @@ def test_a_tiny_run_of_two_contenders_writes_every_figure(tmp_path, capsys):
         assert run["samples"]["short_requests"] >= len(run["samples"]["short_ttft_s"])
     assert {r["contender"] for r in document["results"]} == set(runs)
     summary = (tmp_path / "fleet.md").read_text()
-    assert "kvgate-predicted" in summary and "goodput@2s" in summary
+    assert "kvgate-predicted" in summary and "goodput@2s" in summary and "per tenant" in summary
     out = capsys.readouterr().out
     assert "direct-rr" in out and "goodput@1s" in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert sorted(document["plots"]) == sorted(p.name for p in tmp_path.glob("*.png"))
         assert len(document["plots"]) == 2  # goodput against load, TTFT CDF at 2x
+    # The outputs can be written again from the results file alone, measuring nothing.
+    again = tmp_path / "again"
+    assert fleet.main(["--from-json", str(path), "--out-dir", str(again)]) == 0
+    assert (again / "fleet.md").read_text() == summary
