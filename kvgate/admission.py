@@ -74,18 +74,26 @@ class Demand:
     # The longest the request may hold its reservation (its total timeout): a lease held
     # longer was leaked, and the keeper drops it.
     max_hold_s: float | None = None
-    # predicted mode: prompt + the likely output, grown later if the answer outruns it.
+    # predicted mode: how far ahead of what it has written the reservation stays (the likely
+    # answer, at most the lookahead); it starts at prompt + this and grows with the answer.
     # None: reserve the worst case (worst_case mode, or nothing known yet).
-    reserve_tokens: int | None = None
+    ahead_tokens: int | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens to reserve at admission."""
+        if self.ahead_tokens is None:
+            return self.worst_tokens
+        return min(self.worst_tokens, self.prompt_tokens + self.ahead_tokens)
 
     @property
     def predicted(self) -> bool:
-        return self.reserve_tokens is not None and self.reserve_tokens < self.worst_tokens
+        return self.reserve_tokens < self.worst_tokens
 
     def blocks_on(self, replica: Replica) -> int:
         """Blocks to reserve on `replica` now."""
-        tokens = self.reserve_tokens if self.predicted else self.worst_tokens
-        return math.ceil(tokens / (replica.block_size or 16))  # type: ignore[operator]
+        return math.ceil(self.reserve_tokens / (replica.block_size or 16))
 
     def worst_blocks_on(self, replica: Replica) -> int:
         return math.ceil(self.worst_tokens / (replica.block_size or 16))
@@ -113,8 +121,9 @@ class Slot:
     queued: bool = False  # it waited in the queue (was not admitted on arrival)
     worst_blocks: int = 0  # the request's bound: growth never goes past it
     # tokens the request has written so far (prompt + output), set by the request path; a
-    # predicted reservation grows ahead of it
+    # predicted reservation grows to stay `ahead` tokens ahead of it
     progress: Callable[[], int] | None = None
+    ahead: int = 0
 
     @property
     def reserved_blocks(self) -> int:
@@ -123,10 +132,10 @@ class Slot:
 
 
 def growth_target(slot: Slot) -> int | None:
-    """The blocks a predicted reservation should hold now, or None if it is still ahead of its
-    answer. It grows before the answer reaches its end — by a quarter of what it holds, at
-    least two blocks — so vLLM finds the blocks it needs already accounted for, and never past
-    the request's worst case."""
+    """The blocks a predicted reservation should hold now, or None if it is still far enough
+    ahead of its answer. Once what it has written comes within half its lookahead of the end,
+    it grows to a full lookahead ahead again (at least a block), so vLLM finds the blocks it
+    needs already accounted for; never past the request's worst case."""
     if slot.progress is None or slot.released:
         return None
     size = slot.replica.block_size or 16
@@ -135,11 +144,10 @@ def growth_target(slot: Slot) -> int | None:
     if held >= ceiling:
         return None
     written = slot.progress()
-    margin = max(size, held * size // 8)
-    if written + margin <= held * size:
+    ahead = max(size, slot.ahead)
+    if written + ahead // 2 <= held * size:
         return None
-    step = max(2 * size, held * size // 4)
-    return min(ceiling, math.ceil((written + step) / size))
+    return min(ceiling, math.ceil((written + ahead) / size))
 
 
 def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
@@ -321,7 +329,8 @@ class Admission:
                 await finish(self._unshare(shared))
             return None
         worst_own = demand.worst_blocks_on(replica) - (shared.blocks if shared else 0)
-        slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own))
+        slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
+                    ahead=demand.ahead_tokens or 0)
         self._count(replica.id, own)
         self.keeper.add(
             key, lease_id, max_age_s=demand.max_hold_s,

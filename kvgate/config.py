@@ -163,6 +163,10 @@ class AdmissionConfig(_Model):
     # replica's preemptions steer how much is overcommitted. worst_case: reserve prompt +
     # max_tokens, so vLLM never has to preempt (the guarantee, at a cost in throughput).
     mode: AdmissionMode = "predicted"
+    # predicted mode reserves at most this much of an answer ahead of what it has written, and
+    # grows the reservation to stay that far ahead: the ledger follows what requests really
+    # hold, as vLLM's own allocator does, plus a margin for the next moments of decoding.
+    lookahead_tokens: PositiveInt = 256
     # Per priority class, e.g. {critical: worst_case}; a tenant's admission_mode wins over both.
     class_modes: dict[PriorityClass, AdmissionMode] = {"critical": "worst_case"}
     # Admit while reserved + this request ≤ target_utilization × num_gpu_blocks.

@@ -148,18 +148,20 @@ class Gateway:
         prefix = Terms(min(1.0, terms.ratio), terms.per_message).estimate(count.prefix)
         return Demand(
             pool, model, bound.worst_tokens, tenant.name, tenant.priority,
+            prompt_tokens=bound.prompt_tokens * parsed.sequences,
             prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
             prefix_tokens=prefix if count.prefix_key else 0,
             # the request runs at most total_s once forwarded; the lease TTL is the grace
             max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
-            reserve_tokens=self.predicted_tokens(parsed, tenant, bound, config),
+            ahead_tokens=self.ahead_tokens(parsed, tenant, bound, config),
         )
 
-    def predicted_tokens(
+    def ahead_tokens(
         self, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound, config: Config
     ) -> int | None:
-        """Prompt + the likely output, in predicted mode once this tenant's (or this model's)
-        answers are known; None: reserve the worst case."""
+        """In predicted mode, once this tenant's (or this model's) answers are known: how far
+        ahead of what it has written the request's reservation stays — the likely answer,
+        at most the lookahead — over all its sequences. None: reserve the worst case."""
         admission = config.admission
         mode = tenant.admission_mode or admission.class_modes.get(tenant.priority, admission.mode)
         if mode != "predicted":
@@ -167,7 +169,7 @@ class Gateway:
         likely = self.predictor.predict(tenant.name, parsed.model, bound.max_tokens)
         if likely is None:
             return None
-        return (bound.prompt_tokens + bound.prompts * likely) * parsed.sequences
+        return min(likely, admission.lookahead_tokens) * bound.prompts * parsed.sequences
 
     async def forward(
         self,

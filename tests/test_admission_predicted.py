@@ -19,7 +19,8 @@ from tests.test_admission import replica
 
 
 def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "standard") -> Demand:
-    return Demand("p", "m", worst, tenant, priority, reserve_tokens=reserve)
+    """A demand with no prompt whose reservation stays `reserve` tokens ahead of its answer."""
+    return Demand("p", "m", worst, tenant, priority, ahead_tokens=reserve)
 
 
 class Gate:
@@ -45,13 +46,13 @@ async def gate() -> AsyncIterator[Gate]:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def test_a_reservation_grows_before_its_answer_reaches_the_end_and_never_past_the_worst_case():
+def test_a_reservation_stays_its_lookahead_ahead_of_the_answer_and_never_past_the_worst_case():
     r = replica("a")
     written = [100]
-    slot = Slot(r, "l", blocks=10, worst_blocks=40, progress=lambda: written[0])
-    assert growth_target(slot) is None  # 100 of 160 tokens written: well ahead
-    written[0] = 150  # within the margin of the end
-    assert growth_target(slot) == 12  # a quarter more than held: (150 + 40) / 16, rounded up
+    slot = Slot(r, "l", blocks=10, worst_blocks=40, progress=lambda: written[0], ahead=64)
+    assert growth_target(slot) is None  # 100 written of 160 held: 60 ahead, more than 64 / 2
+    written[0] = 130  # 30 ahead: within half the lookahead of the end
+    assert growth_target(slot) == 13  # a full lookahead ahead again: (130 + 64) / 16, rounded up
     written[0] = 2000
     assert growth_target(slot) == 40
 
