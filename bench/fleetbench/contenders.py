@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,6 @@ class Running:
     targets: dict[str, list[str]]
     tenant_header: str | None
     redis_prefix: str | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 async def start(contender: Contender, children: Children, http: aiohttp.ClientSession,

@@ -7,10 +7,9 @@ queues) and are not counted; the figures are of the requests sent in the `durati
 A request without its first token `ttft_timeout_s` (simulated) after it was sent, or not
 finished `timeout_s` after, is cancelled and counts as a timeout, so a run lasts at most
 warmup + duration + timeout. The replicas' counters (over the whole run) are scraped before
-and after, and their simulated clocks too: `sim_speed` is
-simulated seconds × time_scale per wall second, 1.0 when a replica kept pace with the wall
-clock, lower when it was starved of CPU (or its step timer overshot) and so ran slower than
-modelled.
+and after, and their simulated clocks too: `sim_speed` is simulated seconds × time_scale per
+wall second, 1.0 when a replica kept pace with the wall clock, lower when it was starved of
+CPU (or its step timer overshot) and so ran slower than modelled.
 """
 
 from __future__ import annotations

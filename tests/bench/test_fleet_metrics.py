@@ -110,3 +110,24 @@ def test_ratios_divide_each_contenders_goodput_by_the_baselines_at_the_same_load
             for name, g in (("direct-rr", 4.0), ("kvgate-predicted", 5.0))]
     text = report.ratios(rows)
     assert "| kvgate-predicted | 1.25 |" in text and "| direct-rr | 1.00 |" in text
+
+
+@pytest.mark.parametrize("name", ["kvgate-worst", "kvgate-predicted", "kvgate-redis-x2"])
+def test_the_gateway_config_the_benchmark_writes_is_one_kvgate_accepts(name):
+    """Durations in simulated seconds reach kvgate multiplied by the fleet's time_scale."""
+    from fleetbench import contenders, fleet, workloads
+
+    from kvgate.config import parse_config
+
+    contender = contenders.CONTENDERS[name]
+    workload = workloads.WORKLOADS["realistic"]
+    replicas = fleet.replicas({n: 8000 + i for i, n in enumerate(fleet.REPLICAS)}, 0.25,
+                              workload.output_lengths)  # fmt: skip
+    prefix = "bench-test" if contender.redis else None
+    config = parse_config(contenders.kvgate_config(contender, replicas, workload, 0.25, 9000,
+                                                   prefix))  # fmt: skip
+    assert config.admission.mode == contender.mode
+    assert config.admission.queue.budget("standard") == pytest.approx(2.0 * 0.25)
+    assert config.pools["long"].min_worst_case_tokens == workload.long_pool_min_tokens
+    assert [r.name for r in config.pools["default"].replicas] == list(fleet.NORMAL)
+    assert config.state.backend == ("redis" if contender.redis else "memory")
