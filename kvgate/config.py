@@ -166,9 +166,9 @@ class AdmissionConfig(_Model):
     # predicted mode reserves at most this much of an answer ahead of what it has written, and
     # grows the reservation to stay that far ahead: the ledger follows what requests really
     # hold, as vLLM's own allocator does, plus a margin for the next moments of decoding.
-    lookahead_tokens: PositiveInt = 256
+    lookahead_tokens: PositiveInt = 64
     # Per priority class, e.g. {critical: worst_case}; a tenant's admission_mode wins over both.
-    class_modes: dict[PriorityClass, AdmissionMode] = {"critical": "worst_case"}
+    class_modes: dict[PriorityClass, AdmissionMode] = {}
     # Admit while reserved + this request ≤ target_utilization × num_gpu_blocks.
     target_utilization: float = Field(0.9, gt=0, le=1)
     # Hold admission to a replica whose scraped vllm:num_requests_waiting exceeds this.

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOW, HIGH = 0.5, 1.5  # the factor's bounds
-STEP = 0.05  # added per scrape while there is room and demand
+LOW, HIGH = 0.5, 2.0  # the factor's bounds
+STEP = 0.1  # added per scrape while there is room and demand
 BACKOFF = 0.7  # multiplied on a new preemption
 ROOM = 0.85  # vLLM's own usage below this counts as room
 
