@@ -567,7 +567,7 @@ class Admission:
                 continue
             factor = self.overcommit.observe(
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
-                demand=replica.pool in waiting,
+                demand=replica.pool in waiting, waiting=scrape.waiting,
             )
             self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
         self.wake_all()

@@ -5,7 +5,9 @@ Predicted reservations are a bet that answers stay near their usual length. The 
 how the bet goes: `vllm:num_preemptions_total` rises when vLLM ran out of blocks mid-decode
 (the bet lost: back off at once, multiplicatively), while `vllm:kv_cache_usage_perc` with room
 to spare and requests waiting in kvgate's queue say blocks are idle that could serve them
-(grow, additively). The factor scales the replica's admissible blocks for predicted-mode
+(grow, additively) — unless the replica's own waiting queue is not empty: then it has more
+than it can start, and more would only wait there, out of kvgate's fair order (shrink back
+towards 1). The factor scales the replica's admissible blocks for predicted-mode
 requests; worst-case requests never see more than the plain limit. Pure: fed one scrape at a
 time, no clock, no I/O.
 """
@@ -35,13 +37,22 @@ class Overcommit:
         return 1.0 if state is None else state.factor
 
     def observe(
-        self, replica_id: str, *, preemptions: float | None, kv_usage: float | None, demand: bool
+        self,
+        replica_id: str,
+        *,
+        preemptions: float | None,
+        kv_usage: float | None,
+        demand: bool,
+        waiting: float | None = None,
     ) -> float:
-        """Fold in one fresh scrape; `demand`: requests are waiting for capacity here."""
+        """Fold in one fresh scrape; `demand`: requests are waiting for capacity here;
+        `waiting`: the replica's own queue (requests it accepted but has not started)."""
         state = self._replicas.setdefault(replica_id, _Replica())
         before, state.preemptions = state.preemptions, preemptions
         if preemptions is not None and before is not None and preemptions > before:
             state.factor = max(LOW, state.factor * BACKOFF)
+        elif waiting:  # it already has more than it runs: sending more only adds to its queue
+            state.factor = max(1.0, state.factor - STEP) if state.factor > 1.0 else state.factor
         elif demand and kv_usage is not None and kv_usage < ROOM:
             state.factor = min(HIGH, state.factor + STEP)
         return state.factor

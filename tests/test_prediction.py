@@ -64,3 +64,13 @@ def test_overcommit_stays_within_bounds_and_needs_room_to_grow():
     for _ in range(100):
         free.observe("r", preemptions=0, kv_usage=0.1, demand=True)
     assert free.factor("r") == HIGH
+
+
+def test_overcommit_stops_growing_and_shrinks_back_while_the_replica_queues_work_itself():
+    controller = Overcommit()
+    for _ in range(5):
+        controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, waiting=0)
+    grown = controller.factor("r")
+    assert grown > 1.2
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, waiting=6)
+    assert 1.0 <= controller.factor("r") < grown

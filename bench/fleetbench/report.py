@@ -295,8 +295,9 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         "",
         ratios(rows),
         tenants(rows),
-        "Tenants: `vip` is critical, `chat-app` standard, `batch` sheddable (max_concurrent 16 "
-        "in kvgate); kvgate-predicted admits the critical class on its worst case.",
+        "Tenants: `vip` is critical, `chat-app` standard, `batch` sheddable, with no tenant "
+        "limits (the other contenders have none); kvgate-predicted admits every class on "
+        "predicted demand, kvgate-worst every class on its worst case.",
         "",
         *(f"![{p.stem}](/bench/results/{p.name})" for p in plots),
         "",
