@@ -177,49 +177,44 @@ async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_r
     await stuck
 
 
-async def test_no_early_refusal_while_the_request_could_start_now():
+@pytest.fixture
+async def slow_gate() -> AsyncIterator[Gate]:
+    """A 1-second standard budget on a pool that has been freeing 1 block per second."""
     g = Gate(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=30, wait_budget_s={"standard": 1})))
     task = asyncio.create_task(g.admission.dispatch("p"))
-    r = replica("a", blocks=100)
     pool = g.admission._pool("p")
     now = time.monotonic()
-    for i in range(4):  # a slow pool: 1 block per second
+    for i in range(4):
         pool.freed.append((now - 4 + i, 1))
-    try:
-        async with g.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
-            # a large request of the same class waits for 80 blocks; a small one fits in the
-            # 40 free and may pass it: it is not refused for the large one's wait
-            large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 80, "u", "standard"), r))
-            await asyncio.sleep(0.05)
-            async with asyncio.timeout(1):
-                assert await enter(g, Demand("p", "m", 16 * 2, "t", "standard"), r) == 62
-            large.cancel()
-            await asyncio.gather(large, return_exceptions=True)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    yield g
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_not_left_to_wait():
-    g = Gate(AdmissionConfig(target_utilization=1.0,
-                             queue=QueueConfig(max_wait_s=30, wait_budget_s={"standard": 1})))
-    task = asyncio.create_task(g.admission.dispatch("p"))
+async def test_no_early_refusal_while_the_request_could_start_now(slow_gate):
     r = replica("a", blocks=100)
-    pool = g.admission._pool("p")
-    now = time.monotonic()
-    for i in range(4):  # a slow pool: 1 block per second
-        pool.freed.append((now - 4 + i, 1))
-    try:
-        async with g.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
-            critical = asyncio.create_task(
-                enter(g, Demand("p", "m", 16 * 80, "vip", "critical"), r))
-            await asyncio.sleep(0.05)
-            with pytest.raises(RateLimited) as refused:
-                await enter(g, Demand("p", "m", 16 * 2, "t", "standard"), r)
-            assert refused.value.code == "wait_budget_exceeded"
-            critical.cancel()
-            await asyncio.gather(critical, return_exceptions=True)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    async with slow_gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+        # a large request of the same class waits for 80 blocks; a small one fits in the
+        # 40 free and may pass it: it is not refused for the large one's wait
+        large = asyncio.create_task(enter(slow_gate, Demand("p", "m", 16 * 80, "u", "standard"), r))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):
+            assert await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r) == 62
+        large.cancel()
+        await asyncio.gather(large, return_exceptions=True)
+
+
+async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_not_left_to_wait(
+    slow_gate,
+):
+    r = replica("a", blocks=100)
+    async with slow_gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+        critical = asyncio.create_task(
+            enter(slow_gate, Demand("p", "m", 16 * 80, "vip", "critical"), r))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RateLimited) as refused:
+            await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r)
+        assert refused.value.code == "wait_budget_exceeded"
+        critical.cancel()
+        await asyncio.gather(critical, return_exceptions=True)
