@@ -1,10 +1,11 @@
 """Admission on KV blocks: a per-replica block ledger in the state store, and a fair queue.
 
 A request is admitted onto a replica only if the blocks kvgate has reserved there (by every
-instance sharing the store) plus this request's worst case stay within `target_utilization`
-× the replica's `num_gpu_blocks`. Otherwise it waits in its pool's `FairQueue` for at most
-`max_wait_s`, or is refused with 429 and an honest `Retry-After`; a request that cannot fit
-on any replica of its pool even when empty gets 400 at once.
+instance sharing the store) plus this request's reservation stay within `target_utilization`
+× the replica's `num_gpu_blocks` (scaled by the replica's overcommit factor in predicted
+mode). Otherwise it waits in its pool's `FairQueue` within its class's wait budget, or is
+refused with 429 and an honest `Retry-After`; a request whose worst case cannot fit on any
+replica of its pool even when empty gets 400 at once.
 
 Each reservation is a lease (`ledger:<replica>`) that `LeaseKeeper` renews while the request
 runs; if this instance dies, its leases expire and the capacity returns. `Admission.admit` is
@@ -12,8 +13,10 @@ an async context manager: leaving it — completion, error, disconnect, cancella
 second cancellation arriving during the release — releases the lease and the request's share
 of its prefix exactly once (`kvgate.protect.finish`).
 
-Head-of-line order: a queued request that does not fit yet blocks those behind it in the same
-pool (as vLLM's own waiting queue does), so large requests are never starved by small ones.
+Queue order: a request that does not fit yet holds back lower classes on the replicas it
+could use, and everyone there once it has used half its wait budget, so large requests still
+make progress; otherwise smaller requests pass it. What a request needs and holds (`Demand`,
+`Slot`) lives in `kvgate.demand`.
 """
 
 from __future__ import annotations
@@ -21,14 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
-from kvgate.config import PRIORITY_CLASSES, AdmissionConfig
+from kvgate.config import AdmissionConfig
+from kvgate.demand import Demand, Slot, admissible_blocks, growth_target, ledger_key
 from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
@@ -36,8 +37,9 @@ from kvgate.overcommit import Overcommit
 from kvgate.protect import acquire, finish
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
-from kvgate.shared_prefix import SharedPrefix, SharedPrefixes, credit_blocks
+from kvgate.shared_prefix import SharedPrefix, SharedPrefixes
 from kvgate.state.base import StateStore, StateStoreError
+from kvgate.waiting import AGING_SHARE, PoolQueue
 
 log = logging.getLogger(__name__)
 
@@ -47,130 +49,8 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1
 # How often predicted reservations are checked against what their answers have written.
 GROW_INTERVAL_S = 0.05
-# A waiter that has used this share of its wait budget is not passed by smaller requests.
-AGING_SHARE = 0.5
-# The rate a pool frees blocks at, for early refusals, is measured over this window.
-FREED_WINDOW_S = 10.0
 # Growth is forced: the request already runs, and the ledger must show what it holds.
 UNLIMITED = 1 << 40
-
-
-def ledger_key(replica: Replica) -> str:
-    return f"ledger:{replica.id}"
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """What one request needs: its worst case in tokens (the bound), what to reserve now, and
-    who asks."""
-
-    pool: str
-    model: str
-    worst_tokens: int
-    tenant: str
-    priority: str
-    prefix_key: str | None = None  # identifies the prompt's shareable prefix
-    prefix_tokens: int = 0
-    # The longest the request may hold its reservation (its total timeout): a lease held
-    # longer was leaked, and the keeper drops it.
-    max_hold_s: float | None = None
-    # predicted mode: how far ahead of what it has written the reservation stays (the likely
-    # answer, at most the lookahead); it starts at prompt + this and grows with the answer.
-    # None: reserve the worst case (worst_case mode, or nothing known yet).
-    ahead_tokens: int | None = None
-    prompt_tokens: int = 0
-
-    @property
-    def reserve_tokens(self) -> int:
-        """Tokens to reserve at admission."""
-        if self.ahead_tokens is None:
-            return self.worst_tokens
-        return min(self.worst_tokens, self.prompt_tokens + self.ahead_tokens)
-
-    @property
-    def predicted(self) -> bool:
-        return self.reserve_tokens < self.worst_tokens
-
-    def blocks_on(self, replica: Replica) -> int:
-        """Blocks to reserve on `replica` now."""
-        return math.ceil(self.reserve_tokens / (replica.block_size or 16))
-
-    def worst_blocks_on(self, replica: Replica) -> int:
-        return math.ceil(self.worst_tokens / (replica.block_size or 16))
-
-    def prefix_blocks_on(self, replica: Replica) -> int:
-        if self.prefix_key is None:
-            return 0
-        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.block_size or 16))
-
-    def too_long_for(self, replica: Replica) -> bool:
-        limit = replica.max_model_len(self.model)
-        return limit is not None and self.worst_tokens > limit
-
-
-@dataclass(eq=False, slots=True)
-class Slot:
-    """An admitted request's hold on a replica."""
-
-    replica: Replica
-    lease_id: str
-    blocks: int  # reserved for this request alone (grows with a predicted answer)
-    queued_s: float = 0.0
-    shared: SharedPrefix | None = None  # the prefix blocks it shares with others
-    released: bool = False
-    queued: bool = False  # it waited in the queue (was not admitted on arrival)
-    worst_blocks: int = 0  # the request's bound: growth never goes past it
-    # tokens the request has written so far (prompt + output), set by the request path; a
-    # predicted reservation grows to stay `ahead` tokens ahead of it
-    progress: Callable[[], int] | None = None
-    ahead: int = 0
-
-    @property
-    def reserved_blocks(self) -> int:
-        """Blocks reserved for the request, its share of the prefix included."""
-        return self.blocks + (self.shared.blocks if self.shared else 0)
-
-
-def growth_target(slot: Slot) -> int | None:
-    """The blocks a predicted reservation should hold now, or None if it is still far enough
-    ahead of its answer. Once what it has written comes within half its lookahead of the end,
-    it grows to a full lookahead ahead again (at least a block), so vLLM finds the blocks it
-    needs already accounted for; never past the request's worst case."""
-    if slot.progress is None or slot.released:
-        return None
-    size = slot.replica.block_size or 16
-    held = slot.reserved_blocks
-    ceiling = slot.worst_blocks + (slot.shared.blocks if slot.shared else 0)
-    if held >= ceiling:
-        return None
-    written = slot.progress()
-    ahead = max(size, slot.ahead)
-    if written + ahead // 2 <= held * size:
-        return None
-    return min(ceiling, math.ceil((written + ahead) / size))
-
-
-def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
-    total = replica.num_gpu_blocks
-    return None if total is None else int(total * config.target_utilization)
-
-
-@dataclass(slots=True)
-class _PoolQueue:
-    queue: FairQueue
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    releases: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-    freed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=128))
-    worst_cases: deque[int] = field(default_factory=lambda: deque(maxlen=512))
-
-    def freed_per_s(self, now: float) -> float | None:
-        """Blocks given back per second over the last FREED_WINDOW_S; None while fewer than
-        four releases fall in it (a quiet pool says nothing about how fast it would free)."""
-        recent = [(t, b) for t, b in self.freed if now - t <= FREED_WINDOW_S]
-        if len(recent) < 4:
-            return None
-        span = max(now - recent[0][0], 0.1)
-        return sum(b for _, b in recent) / span
 
 
 class Admission:
@@ -187,7 +67,7 @@ class Admission:
         self.config = config
         self.keeper = keeper
         self.stale_after_s = stale_after_s
-        self._pools: dict[str, _PoolQueue] = {}
+        self._pools: dict[str, PoolQueue] = {}
         self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
         self.prefixes = SharedPrefixes()
         self.overcommit = Overcommit()
@@ -201,10 +81,10 @@ class Admission:
             return limit
         return int(limit * self.overcommit.factor(replica.id))
 
-    def _pool(self, name: str) -> _PoolQueue:
+    def _pool(self, name: str) -> PoolQueue:
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = _PoolQueue(FairQueue(self.config().queue.max_depth))
+            pool = self._pools[name] = PoolQueue(FairQueue(self.config().queue.max_depth))
         return pool
 
     @contextlib.asynccontextmanager
@@ -220,10 +100,10 @@ class Admission:
             return
         self._check_can_ever_fit(demand, candidates, config)
         pool = self._pool(demand.pool)
-        pool.worst_cases.append(max(demand.blocks_on(r) for r in candidates))
+        pool.reservations.append(max(demand.blocks_on(r) for r in candidates))
         started = time.monotonic()
         slot = None
-        if not self._competition(pool, demand, candidates):
+        if not pool.ahead_of(demand, candidates):
             slot = await self._try_place(demand, candidates, config, started)
         if slot is None:
             slot = await self._wait(pool, demand, candidates, config, started)
@@ -363,7 +243,7 @@ class Admission:
 
     async def _wait(
         self,
-        pool: _PoolQueue,
+        pool: PoolQueue,
         demand: Demand,
         candidates: Sequence[Replica],
         config: AdmissionConfig,
@@ -417,36 +297,7 @@ class Admission:
                 time.monotonic() - started
             )
 
-    def _competition(
-        self, pool: _PoolQueue, demand: Demand, candidates: Sequence[Replica],
-        upto: Ticket | None = None, room: int | None = None,
-    ) -> list[Ticket]:
-        """The queued requests, ahead in service order (up to `upto`), that want one of these
-        replicas and will start before this demand: every one of a better class; of its own
-        class, those that fit in `room` or have aged (a larger one that does not fit yet is
-        passed)."""
-        rank = PRIORITY_CLASSES.index(demand.priority)
-        ids = {r.id for r in candidates}
-        budget = self.config().queue.budget(demand.priority)
-        now = time.monotonic()
-        ahead = []
-        for queued in pool.queue:
-            if queued is upto:
-                break
-            queued_demand, queued_candidates, future = queued.payload
-            if future.done() or queued.rank > rank:
-                continue
-            if not any(r.id in ids for r in queued_candidates):
-                continue
-            if queued.rank == rank and room is not None:
-                need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
-                aged = now - queued.enqueued_at > AGING_SHARE * budget
-                if need > room and not aged:
-                    continue
-            ahead.append(queued)
-        return ahead
-
-    def expected_wait(self, pool: _PoolQueue, ticket: Ticket, config: AdmissionConfig) -> float | None:
+    def expected_wait(self, pool: PoolQueue, ticket: Ticket, config: AdmissionConfig) -> float | None:
         """Seconds until this request and those that start before it could all run, at the
         rate the pool has freed blocks over the last FREED_WINDOW_S; None when they may fit
         now or that rate is unknown."""
@@ -457,12 +308,14 @@ class Admission:
             if limit is not None and replica.healthy:
                 free += max(0, limit - self.reserved.get(replica.id, 0))
         needed = min((demand.blocks_on(r) for r in candidates), default=0)
-        for queued in self._competition(pool, demand, candidates, upto=ticket, room=free):
+        now = time.monotonic()
+        budget = config.queue.budget(demand.priority)
+        for queued in pool.ahead_of(demand, candidates, ticket, free, budget, now):
             queued_demand, queued_candidates, _ = queued.payload
             needed += min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
         if needed <= free:
             return None  # it may start now: let the dispatcher try
-        rate = pool.freed_per_s(time.monotonic())
+        rate = pool.freed_per_s(now)
         if not rate:
             return None
         return min(config.queue.max_wait_s, (needed - free) / rate)
@@ -483,7 +336,7 @@ class Admission:
             pool.wake.clear()
             await self._serve_pass(pool)
 
-    async def _serve_pass(self, pool: _PoolQueue) -> None:
+    async def _serve_pass(self, pool: PoolQueue) -> None:
         """One pass over the queue in service order. A request that does not fit puts up a
         barrier on the replicas it could use: requests of a lower class may not take them, nor
         may anyone once it has used AGING_SHARE of its wait budget. Requests for other replicas
@@ -579,7 +432,7 @@ class Admission:
     def pools(self) -> list[str]:
         return list(self._pools)
 
-    async def _release(self, pool: _PoolQueue, slot: Slot) -> None:
+    async def _release(self, pool: PoolQueue, slot: Slot) -> None:
         """Give back everything the slot holds — its lease, then its share of the prefix — as
         one unit that no cancellation can cut short."""
         if slot.released:
@@ -587,7 +440,7 @@ class Admission:
         slot.released = True  # mark first: release exactly once
         await finish(self._give_back(pool, slot))
 
-    async def _give_back(self, pool: _PoolQueue, slot: Slot) -> None:
+    async def _give_back(self, pool: PoolQueue, slot: Slot) -> None:
         key = ledger_key(slot.replica)
         self.keeper.discard(key, slot.lease_id)
         self._count(slot.replica.id, -slot.blocks)
@@ -610,17 +463,10 @@ class Admission:
 
     def retry_after(self, pool_name: str, ahead: int) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""
-        pool = self._pool(pool_name)
-        max_wait = self.config().queue.max_wait_s
-        if len(pool.releases) >= 2:
-            span = max(1e-3, time.monotonic() - pool.releases[0])
-            rate = len(pool.releases) / span
-            return min(max(1.0, (ahead + 1) / rate), max(1.0, max_wait))
-        return max(1.0, min(max_wait, 5.0))
+        return self._pool(pool_name).retry_after(ahead, self.config().queue.max_wait_s)
 
     def p95_worst_case(self, pool_name: str) -> int | None:
-        cases = sorted(self._pool(pool_name).worst_cases)
-        return cases[min(len(cases) - 1, int(0.95 * len(cases)))] if cases else None
+        return self._pool(pool_name).p95_reservation()
 
     def _queue_full_error(self, pool_name: str, config: AdmissionConfig) -> RateLimited:
         depth = len(self._pool(pool_name).queue)
@@ -630,10 +476,7 @@ class Admission:
             retry_after_s=self.retry_after(pool_name, depth),
         )
 
-    def _refuse_queue_full(self, pool_name: str, ticket: Ticket, config: AdmissionConfig) -> None:
-        raise self._queue_full_error(pool_name, config)
-
-    def _observe_depth(self, pool_name: str, pool: _PoolQueue) -> None:
+    def _observe_depth(self, pool_name: str, pool: PoolQueue) -> None:
         for priority in ("critical", "standard", "sheddable"):
             self.metrics.queue_depth.labels(pool_name, priority).set(pool.queue.depth(priority))
 

@@ -15,11 +15,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvgate.admission import Admission, admissible_blocks, ledger_key
+from kvgate.admission import Admission
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, secret
+from kvgate.demand import admissible_blocks, ledger_key
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kvgate.admission import Admission, Demand, Slot
+from kvgate.admission import Admission
 from kvgate.calibration import Calibration, Terms
 from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
 from kvgate.config import Config, ModelConfig, TenantConfig
+from kvgate.demand import Demand, Slot
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
@@ -92,16 +93,17 @@ class Gateway:
 
         # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
+        terms = self.terms(parsed, count)  # what vLLM will count, from what kvgate counted
         model = rt.config.model(parsed.model)
-        sized = self.bound(parsed, count, tenant, model, model.max_model_len)
+        sized = self.bound(parsed, count, terms, tenant, model, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
         info.pool, candidates = self.candidates(rt, first_pool, parsed.model)
         bound = self.bound(
-            parsed, count, tenant, model,
+            parsed, count, terms, tenant, model,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
         info.prompt_tokens = bound.prompt_tokens
-        demand = self.demand(info.pool, parsed, tenant, bound, count, rt.config)
+        demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
 
         # charge the tenant, admit on a replica's ledger, forward; settle on every ending
         outcome = Outcome()
@@ -121,12 +123,12 @@ class Gateway:
         self,
         parsed: ParsedRequest,
         count: PromptCount,
+        terms: Terms,
         tenant: TenantConfig,
         model: ModelConfig,
         max_model_len: int | None,
     ) -> Bound:
         """The worst case, from the prompt tokens vLLM is expected to count."""
-        terms = self.terms(parsed, count)
         media = count.media_tokens
         return bound_worst_case(
             parsed, terms.estimate(count.features) + media, model, tenant, max_model_len,
@@ -140,10 +142,9 @@ class Gateway:
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
-        count: PromptCount, config: Config,
+        count: PromptCount, terms: Terms, config: Config,
     ) -> Demand:
         model = parsed.model
-        terms = self.terms(parsed, count)
         # never credit more shared blocks than the text alone could hold
         prefix = Terms(min(1.0, terms.ratio), terms.per_message).estimate(count.prefix)
         return Demand(

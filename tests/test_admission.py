@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.admission import Admission, Demand, Slot, ledger_key
+from kvgate.admission import Admission
 from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig
+from kvgate.demand import Demand, Slot, ledger_key
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.admission import Admission, Demand, Slot, growth_target, ledger_key
+from kvgate.admission import Admission
 from kvgate.config import AdmissionConfig, QueueConfig
+from kvgate.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.errors import RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics

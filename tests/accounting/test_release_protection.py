@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvgate.admission import Admission, Demand, ledger_key
+from kvgate.admission import Admission
 from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig, TenantConfig
+from kvgate.demand import Demand, ledger_key
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish

@@ -1,0 +1,117 @@
+"""What one request needs on a replica, and what it holds there: pure values and arithmetic.
+
+`Demand` is a request's bound (its worst case) and what to reserve now (the worst case, or in
+predicted mode the prompt plus a lookahead); `Slot` is an admitted request's hold on one
+replica's ledger, which `growth_target` keeps ahead of the answer. No I/O: `kvgate.admission`
+moves leases in the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgate.config import AdmissionConfig
+from kvgate.replicas import Replica
+from kvgate.shared_prefix import SharedPrefix, credit_blocks
+
+
+def ledger_key(replica: Replica) -> str:
+    return f"ledger:{replica.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request needs: its worst case in tokens (the bound), what to reserve now, and
+    who asks."""
+
+    pool: str
+    model: str
+    worst_tokens: int
+    tenant: str
+    priority: str
+    prefix_key: str | None = None  # identifies the prompt's shareable prefix
+    prefix_tokens: int = 0
+    # The longest the request may hold its reservation (its total timeout): a lease held
+    # longer was leaked, and the keeper drops it.
+    max_hold_s: float | None = None
+    # predicted mode: how far ahead of what it has written the reservation stays (the likely
+    # answer, at most the lookahead); it starts at prompt + this and grows with the answer.
+    # None: reserve the worst case (worst_case mode, or nothing known yet).
+    ahead_tokens: int | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens to reserve at admission."""
+        if self.ahead_tokens is None:
+            return self.worst_tokens
+        return min(self.worst_tokens, self.prompt_tokens + self.ahead_tokens)
+
+    @property
+    def predicted(self) -> bool:
+        return self.reserve_tokens < self.worst_tokens
+
+    def blocks_on(self, replica: Replica) -> int:
+        """Blocks to reserve on `replica` now."""
+        return math.ceil(self.reserve_tokens / (replica.block_size or 16))
+
+    def worst_blocks_on(self, replica: Replica) -> int:
+        return math.ceil(self.worst_tokens / (replica.block_size or 16))
+
+    def prefix_blocks_on(self, replica: Replica) -> int:
+        if self.prefix_key is None:
+            return 0
+        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.block_size or 16))
+
+    def too_long_for(self, replica: Replica) -> bool:
+        limit = replica.max_model_len(self.model)
+        return limit is not None and self.worst_tokens > limit
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """An admitted request's hold on a replica."""
+
+    replica: Replica
+    lease_id: str
+    blocks: int  # reserved for this request alone (grows with a predicted answer)
+    queued_s: float = 0.0
+    shared: SharedPrefix | None = None  # the prefix blocks it shares with others
+    released: bool = False
+    queued: bool = False  # it waited in the queue (was not admitted on arrival)
+    worst_blocks: int = 0  # the request's bound: growth never goes past it
+    # tokens the request has written so far (prompt + output), set by the request path; a
+    # predicted reservation grows to stay `ahead` tokens ahead of it
+    progress: Callable[[], int] | None = None
+    ahead: int = 0
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks reserved for the request, its share of the prefix included."""
+        return self.blocks + (self.shared.blocks if self.shared else 0)
+
+
+def growth_target(slot: Slot) -> int | None:
+    """The blocks a predicted reservation should hold now, or None if it is still far enough
+    ahead of its answer. Once what it has written comes within half its lookahead of the end,
+    it grows to a full lookahead ahead again (at least a block), so vLLM finds the blocks it
+    needs already accounted for; never past the request's worst case."""
+    if slot.progress is None or slot.released:
+        return None
+    size = slot.replica.block_size or 16
+    held = slot.reserved_blocks
+    ceiling = slot.worst_blocks + (slot.shared.blocks if slot.shared else 0)
+    if held >= ceiling:
+        return None
+    written = slot.progress()
+    ahead = max(size, slot.ahead)
+    if written + ahead // 2 <= held * size:
+        return None
+    return min(ceiling, math.ceil((written + ahead) / size))
+
+
+def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
+    total = replica.num_gpu_blocks
+    return None if total is None else int(total * config.target_utilization)
