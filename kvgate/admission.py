@@ -26,10 +26,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from kvgate.config import AdmissionConfig
-from kvgate.demand import Demand, Slot, admissible_blocks, growth_target, ledger_key
+from kvgate.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
@@ -37,9 +37,11 @@ from kvgate.overcommit import Overcommit
 from kvgate.protect import acquire, finish
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
+from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
+from kvgate.routing.router import Ranking
 from kvgate.shared_prefix import SharedPrefix, SharedPrefixes
 from kvgate.state.base import StateStore, StateStoreError
-from kvgate.waiting import AGING_SHARE, PoolQueue
+from kvgate.waiting import AGING_SHARE, PoolQueue, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ POLL_INTERVAL_S = 0.1
 GROW_INTERVAL_S = 0.05
 # Growth is forced: the request already runs, and the ledger must show what it holds.
 UNLIMITED = 1 << 40
+
+# Ranks the replicas for one request, given the seconds it has waited so far; called on arrival
+# and again on every placement attempt, so a queued request goes where room appears.
+Ranker = Callable[[float], Awaitable[Ranking]]
 
 
 class Admission:
@@ -73,13 +79,29 @@ class Admission:
         self.overcommit = Overcommit()
         self._growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
 
-    def limit(self, replica: Replica, demand: Demand, config: AdmissionConfig) -> int | None:
-        """The ledger's limit for this demand here: the admissible blocks, scaled for
-        predicted reservations by how far the replica's own metrics say they can be trusted."""
-        limit = admissible_blocks(replica, config)
-        if limit is None or not demand.predicted:
-            return limit
-        return int(limit * self.overcommit.factor(replica.id))
+    def snapshot(
+        self, replicas: Iterable[Replica], circuit: Callable[[str], str] = lambda _: "closed"
+    ) -> Fleet:
+        """The replicas as they stand now, with this ledger's figures."""
+        return take_snapshot(
+            replicas,
+            config=self.config(),
+            stale_after_s=self.stale_after_s(),
+            reserved=self.reserved,
+            shared_prefix_blocks=self.prefixes.held_blocks,
+            circuit=circuit,
+            overcommit=self.overcommit.factor,
+            typical_blocks=self.p95_worst_case,
+        )
+
+    def in_order(self, replicas: Sequence[Replica]) -> Ranker:
+        """A ranker that tries `replicas` in the order given, each as it is at the attempt
+        (for callers that have chosen already, and tests)."""
+
+        async def rank(waited_s: float) -> Ranking:
+            return Ranking(list(self.snapshot(replicas)))
+
+        return rank
 
     def _pool(self, name: str) -> PoolQueue:
         pool = self._pools.get(name)
@@ -88,25 +110,26 @@ class Admission:
         return pool
 
     @contextlib.asynccontextmanager
-    async def admit(
-        self, demand: Demand, candidates: Sequence[Replica]
-    ) -> AsyncIterator[Slot]:
-        """Reserve the demand's worst case on one of `candidates` (in preference order)."""
+    async def admit(self, demand: Demand, rank: Ranker) -> AsyncIterator[Slot]:
+        """Reserve the demand on the first replica of its ranking with room, now or from the
+        queue (ranked again on every attempt)."""
         config = self.config()
+        started = time.monotonic()
+        ranking = await rank(0.0)
+        candidates = [v.replica for v in ranking.replicas]
         if not config.enabled:  # a plain proxy: the first candidate, nothing reserved
             if not candidates:
                 raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
             yield Slot(candidates[0], "", 0, released=True)
             return
-        self._check_can_ever_fit(demand, candidates, config)
+        self._check_can_ever_fit(demand, ranking.replicas, config)
         pool = self._pool(demand.pool)
         pool.reservations.append(max(demand.blocks_on(r) for r in candidates))
-        started = time.monotonic()
         slot = None
         if not pool.ahead_of(demand, candidates):
-            slot = await self._try_place(demand, candidates, config, started)
+            slot = await self._try_place(demand, ranking, config, 0.0)
         if slot is None:
-            slot = await self._wait(pool, demand, candidates, config, started)
+            slot = await self._wait(pool, demand, rank, ranking, config, started)
         self.metrics.admissions.labels(
             demand.pool, slot.replica.id, "yes" if slot.queued else "no"
         ).inc()
@@ -122,12 +145,11 @@ class Admission:
             await self._release(pool, slot)
 
     def _check_can_ever_fit(
-        self, demand: Demand, candidates: Sequence[Replica], config: AdmissionConfig
+        self, demand: Demand, candidates: Sequence[ReplicaView], config: AdmissionConfig
     ) -> None:
         if not candidates:
-            raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
-        limits = [(r, admissible_blocks(r, config)) for r in candidates]
-        known = [(r, n) for r, n in limits if n is not None]
+            raise NoReplica(f"no healthy replica in pool {demand.pool!r} can take this request")
+        known = [(v.replica, v.admissible_blocks) for v in candidates if v.admissible_blocks is not None]
         if not known:
             raise NoReplica(
                 f"no replica in pool {demand.pool!r} has a known KV capacity yet; retry shortly"
@@ -146,23 +168,26 @@ class Admission:
     async def _try_place(
         self,
         demand: Demand,
-        candidates: Sequence[Replica],
+        ranking: Ranking,
         config: AdmissionConfig,
-        started: float,
+        waited_s: float,
+        closed: frozenset[str] = frozenset(),
     ) -> Slot | None:
-        stale = self.stale_after_s()
-        for replica in candidates:
-            limit = self.limit(replica, demand, config)
-            if limit is None or demand.blocks_on(replica) > limit or not replica.healthy:
+        """The first replica of the ranking (not `closed` to this request) whose ledger takes
+        the demand; while the request has waited less than the ranking's hold, only its
+        session's replica."""
+        replicas = ranking.replicas
+        if ranking.sticky is not None and waited_s < ranking.hold_s:
+            replicas = [ranking.sticky]
+        for view in replicas:
+            limit = view.limit(demand.predicted)
+            if view.id in closed or limit is None or demand.blocks_on(view.replica) > limit:
                 continue
-            if demand.too_long_for(replica):
+            if (view.waiting or 0) > config.max_replica_waiting:
                 continue
-            scrape = replica.fresh_scrape(stale)
-            if scrape is not None and (scrape.waiting or 0) > config.max_replica_waiting:
-                continue
-            slot = await self._place_on(replica, demand, limit, config.lease_ttl_s)
+            slot = await self._place_on(view.replica, demand, limit, config.lease_ttl_s)
             if slot is not None:
-                slot.queued_s = time.monotonic() - started
+                slot.queued_s = waited_s
                 return slot
         return None
 
@@ -245,7 +270,8 @@ class Admission:
         self,
         pool: PoolQueue,
         demand: Demand,
-        candidates: Sequence[Replica],
+        rank: Ranker,
+        ranking: Ranking,
         config: AdmissionConfig,
         started: float,
     ) -> Slot:
@@ -254,14 +280,15 @@ class Admission:
         at once: waiting it out would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
-        ticket = Ticket(demand.tenant, demand.priority, started, (demand, candidates, future))
+        waiter = Waiter(demand, rank, future, ranking)
+        ticket = Ticket(demand.tenant, demand.priority, started, waiter)
         refused = pool.queue.push(ticket)
         if refused is ticket:
             raise self._queue_full_error(demand.pool, config)
         if refused is not None:
-            _, _, shed_future = refused.payload
-            if not shed_future.done():
-                shed_future.set_exception(self._queue_full_error(demand.pool, config))
+            shed: Waiter = refused.payload
+            if not shed.future.done():
+                shed.future.set_exception(self._queue_full_error(demand.pool, config))
         budget = config.queue.budget(demand.priority)
         expected = self.expected_wait(pool, ticket, config)
         if expected is not None and expected > budget:
@@ -301,18 +328,19 @@ class Admission:
         """Seconds until this request and those that start before it could all run, at the
         rate the pool has freed blocks over the last FREED_WINDOW_S; None when they may fit
         now or that rate is unknown."""
-        demand, candidates, _ = ticket.payload
+        waiter: Waiter = ticket.payload
+        demand, candidates = waiter.demand, waiter.candidates
         free = 0
-        for replica in candidates:
-            limit = self.limit(replica, demand, config)
-            if limit is not None and replica.healthy:
-                free += max(0, limit - self.reserved.get(replica.id, 0))
+        for view in waiter.ranking.replicas:
+            limit = view.limit(demand.predicted)
+            if limit is not None:
+                free += max(0, limit - self.reserved.get(view.id, 0))
         needed = min((demand.blocks_on(r) for r in candidates), default=0)
         now = time.monotonic()
         budget = config.queue.budget(demand.priority)
         for queued in pool.ahead_of(demand, candidates, ticket, free, budget, now):
-            queued_demand, queued_candidates, _ = queued.payload
-            needed += min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
+            ahead: Waiter = queued.payload
+            needed += min((ahead.demand.blocks_on(r) for r in ahead.candidates), default=0)
         if needed <= free:
             return None  # it may start now: let the dispatcher try
         rate = pool.freed_per_s(now)
@@ -321,13 +349,7 @@ class Admission:
         return min(config.queue.max_wait_s, (needed - free) / rate)
 
     async def dispatch(self, pool_name: str) -> None:
-        """Serve one pool's queue in fair order until cancelled (one task per pool).
-
-        A request that does not fit yet does not hold back the smaller ones behind it (no
-        head-of-line blocking across replicas), unless it has used AGING_SHARE of its wait
-        budget: then nothing passes it, so capacity gathers for it and large requests still
-        make progress. Within a pass, once a request of n blocks did not fit, larger ones are
-        not tried."""
+        """Serve one pool's queue in fair order until cancelled (one task per pool)."""
         pool = self._pool(pool_name)
         while True:
             with contextlib.suppress(TimeoutError):
@@ -337,33 +359,38 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
-        """One pass over the queue in service order. A request that does not fit puts up a
-        barrier on the replicas it could use: requests of a lower class may not take them, nor
-        may anyone once it has used AGING_SHARE of its wait budget. Requests for other replicas
-        go on. Within a pass, once a request of n blocks did not fit on a set of replicas,
-        larger ones for the same set are not tried."""
+        """One pass over the queue in service order, each request ranked afresh. A request
+        that does not fit puts up a barrier on the replicas it could use: requests of a lower
+        class may not take them, nor may anyone once it has used AGING_SHARE of its wait
+        budget (so large requests still make progress). Requests for other replicas go on.
+        Within a pass, once a request of n blocks did not fit on a set of replicas, larger
+        ones for the same set are not tried."""
         config = self.config()
         now = time.monotonic()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
         for ticket in list(pool.queue):
-            demand, candidates, future = ticket.payload
+            waiter: Waiter = ticket.payload
+            demand, future = waiter.demand, waiter.future
             if future.done():
                 pool.queue.remove(ticket)
                 continue
-            closed = {
-                rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
-            }
-            usable = [r for r in candidates if r.id not in closed]
-            if not usable:
-                continue
-            ids = frozenset(r.id for r in usable)
-            need = min(demand.blocks_on(r) for r in usable)
-            smallest = refused.get((ids, demand.predicted))
-            if smallest is not None and need >= smallest:
-                continue
             try:
-                slot = await self._try_place(demand, usable, config, ticket.enqueued_at)
+                waiter.ranking = await waiter.rank(now - ticket.enqueued_at)
+                closed = frozenset(
+                    rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
+                )
+                usable = [v for v in waiter.ranking.replicas if v.id not in closed]
+                if not usable:
+                    continue
+                ids = frozenset(v.id for v in usable)
+                need = min(demand.blocks_on(v.replica) for v in usable)
+                smallest = refused.get((ids, demand.predicted))
+                if smallest is not None and need >= smallest:
+                    continue
+                slot = await self._try_place(
+                    demand, waiter.ranking, config, now - ticket.enqueued_at, closed
+                )
             except Exception as exc:  # a store failure ends this waiter, not the loop
                 if not future.done():
                     future.set_exception(exc)

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -20,11 +19,15 @@ from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, secret
-from kvgate.demand import admissible_blocks, ledger_key
+from kvgate.demand import ledger_key
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.replicas import Registry, discovery_loop
+from kvgate.routing.health import STATE_VALUE, Breakers
+from kvgate.routing.router import Router
+from kvgate.routing.scorers import Deps
+from kvgate.routing.sessions import Sessions
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Directory
 from kvgate.tokens import TokenizerError
@@ -71,6 +74,12 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     admission = Admission(
         store, metrics, lambda: current().admission, keeper, lambda: current().discovery.stale_after_s
     )
+    sessions = Sessions(store, metrics)
+    breakers = Breakers(
+        lambda: current().routing.circuit.failure_threshold,
+        lambda: current().routing.circuit.open_s,
+        on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
+    )
     gateway = Gateway(
         runtime=Runtime(config, Directory(config.auth, config.tenants)),
         registry=registry,
@@ -81,6 +90,9 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
+        router=Router(Deps(sessions), config.routing),
+        sessions=sessions,
+        breakers=breakers,
     )
     gateway_box.append(gateway)
     app[GATEWAY] = gateway
@@ -142,36 +154,34 @@ async def _refresh_gauges(gateway: Gateway) -> None:
     """Per-replica and store gauges, computed off the request path once a second."""
     m = gateway.metrics
     while True:
-        config = gateway.runtime.config
-        now = time.monotonic()
         for replica in gateway.registry:
-            labels = (replica.id, replica.pool)
             with contextlib.suppress(Exception):
                 gateway.admission.reserved[replica.id] = await gateway.store.held(
                     ledger_key(replica)
                 )
-            reserved = gateway.admission.reserved.get(replica.id, 0)
-            total = replica.num_gpu_blocks
-            admissible = admissible_blocks(replica, config.admission)
-            written = replica.written_blocks()
-            m.healthy.labels(replica.id).set(1 if replica.healthy else 0)
-            m.blocks_reserved.labels(*labels).set(reserved)
-            m.blocks_written.labels(*labels).set(written)
+        for view in gateway.fleet():
+            labels = (view.id, view.pool)
+            total, admissible = view.num_gpu_blocks, view.admissible_blocks
+            m.healthy.labels(view.id).set(1 if view.healthy else 0)
+            m.circuit_state.labels(view.id).set(STATE_VALUE[view.circuit])
+            m.draining.labels(view.id).set(1 if view.draining else 0)
+            m.blocks_reserved.labels(*labels).set(view.reserved_blocks)
+            m.blocks_written.labels(*labels).set(view.written_blocks)
             if total is not None and admissible is not None:
                 m.blocks_total.labels(*labels).set(total)
                 m.blocks_admissible.labels(*labels).set(admissible)
-                p95 = gateway.admission.p95_worst_case(replica.pool)
-                if p95:
-                    m.headroom.labels(*labels).set(max(0, (admissible - reserved) // p95))
-            scrape = replica.fresh_scrape(config.discovery.stale_after_s, now)
-            usage = scrape.kv_usage if scrape and scrape.kv_usage is not None else math.nan
-            m.vllm_kv_usage.labels(replica.id).set(usage)
-            if scrape is not None:
-                m.vllm_waiting.labels(replica.id).set(scrape.waiting or 0)
-                m.vllm_running.labels(replica.id).set(scrape.running or 0)
-                m.vllm_preemptions.labels(replica.id).set(scrape.preemptions or 0)
-                if total and scrape.kv_usage is not None:
-                    m.ledger_divergence.labels(replica.id).set(scrape.kv_usage - written / total)
+                if view.headroom_requests is not None:
+                    m.headroom.labels(*labels).set(view.headroom_requests)
+            usage = view.kv_usage if view.kv_usage is not None else math.nan
+            m.vllm_kv_usage.labels(view.id).set(usage)
+            if view.scraped:
+                m.vllm_waiting.labels(view.id).set(view.waiting or 0)
+                m.vllm_running.labels(view.id).set(view.running or 0)
+                m.vllm_preemptions.labels(view.id).set(view.preemptions or 0)
+                if total and view.kv_usage is not None:
+                    m.ledger_divergence.labels(view.id).set(
+                        view.kv_usage - view.written_blocks / total
+                    )
         _store_gauges(gateway)
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
@@ -207,6 +217,8 @@ def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     gateway.runtime = Runtime(config, Directory(config.auth, config.tenants))
     gateway.registry.sync({name: pool.replicas for name, pool in config.pools.items()})
     gateway.relay.timeouts = config.timeouts
+    gateway.router.configure(config.routing)
+    gateway.breakers.forget({r.id for r in gateway.registry})
     gateway.metrics.config_reloads.labels("ok").inc()
     tasks = app.get(TASKS)
     if tasks is not None:

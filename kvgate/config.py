@@ -89,6 +89,9 @@ class ReplicaConfig(_Model):
     num_gpu_blocks: PositiveInt | None = None
     block_size: PositiveInt | None = None
     max_model_len: PositiveInt | None = None
+    # Take no new requests (in-flight ones finish; sessions bound here are rebound), as
+    # `POST /admin/replicas/{id}/drain` does at run time.
+    drain: bool = False
 
     _check_url = field_validator("url")(classmethod(lambda cls, v: _http_url(v)))
 
@@ -97,12 +100,29 @@ class ReplicaConfig(_Model):
         return self.name or urlsplit(self.url).netloc
 
 
+class DnsConfig(_Model):
+    """Replicas found by resolving a name (a Kubernetes headless Service lists one address per
+    ready pod), re-resolved every `interval_s`; an address that disappears is drained."""
+
+    name: str = Field(min_length=1)
+    port: int = Field(8000, ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: PositiveFloat = 10.0
+
+
 class PoolConfig(_Model):
-    replicas: list[ReplicaConfig] = Field(min_length=1)
+    replicas: list[ReplicaConfig] = []
+    dns: DnsConfig | None = None
     # A request goes to the pool with the highest threshold its worst case reaches.
     min_worst_case_tokens: int = Field(0, ge=0)
     # Pool to try when this one has no healthy replica with capacity for the request.
     overflow_to: str | None = None
+
+    @model_validator(mode="after")
+    def _has_replicas(self) -> PoolConfig:
+        if not self.replicas and self.dns is None:
+            raise ValueError("a pool needs replicas, a dns name, or both")
+        return self
 
 
 class TokenizerConfig(_Model):
@@ -189,6 +209,67 @@ class DiscoveryConfig(_Model):
     stale_after_s: PositiveFloat = 10.0
 
 
+SessionSource = Literal["header", "user", "conversation"]
+
+
+class SessionsConfig(_Model):
+    """Sticky sessions: a request with a session key goes where the key is bound (in the state
+    store, shared by every instance), while that replica can take it."""
+
+    # Where the key comes from, first found wins: the `header`, the body's `user` field, or a
+    # hash of the conversation's first `conversation_messages` messages (so a multi-turn chat
+    # that resends its history lands where that history is cached).
+    sources: list[SessionSource] = ["header", "user", "conversation"]
+    header: str = "X-Session-Id"
+    conversation_messages: PositiveInt = 2
+    ttl_s: PositiveFloat = 1800.0  # refreshed on every use
+    # How long a request waits for its bound replica to have room before it is rebound.
+    affinity_wait_s: float = Field(0.25, ge=0)
+
+
+class PrefixAffinityConfig(_Model):
+    """Requests sharing a prompt prefix meet on few replicas: consistent hashing with bounded
+    load. A replica takes at most (1 + load_factor) × its capacity-weighted fair share of the
+    reserved blocks before the next replica in the prefix's hash order is preferred; below
+    `free_below` of its admissible blocks a replica is never too loaded."""
+
+    load_factor: float = Field(0.25, ge=0)
+    free_below: float = Field(0.1, ge=0, le=1)
+
+
+class RetryConfig(_Model):
+    """A request whose replica failed before any byte reached the client is sent once more to
+    another replica (never after streaming began); its reservation moves with it."""
+
+    attempts: int = Field(1, ge=0, le=5)  # extra attempts; 0: never retry
+    on_timeout: bool = False  # also after first_byte_s passed (the replica may still be working)
+
+
+class CircuitConfig(_Model):
+    failure_threshold: PositiveInt = 3  # consecutive failures that open the circuit
+    open_s: PositiveFloat = 10.0  # then one trial request is let through
+
+
+class RoutingConfig(_Model):
+    # Scorers by name with their weights; each scores a replica in [0, 1] and the replica with
+    # the highest weighted sum is tried first (admission takes the first that fits). Names:
+    # session, prefix_affinity, least_loaded, round_robin.
+    scorers: dict[str, Annotated[float, Field(ge=0)]] = {
+        "session": 4.0, "prefix_affinity": 2.0, "least_loaded": 1.0,
+    }
+    sessions: SessionsConfig = SessionsConfig()
+    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
+    retry: RetryConfig = RetryConfig()
+    circuit: CircuitConfig = CircuitConfig()
+
+    @field_validator("scorers")
+    @classmethod
+    def _some_scorer(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value:
+            raise ValueError("name at least one scorer")
+        return value
+
+
 class TenantConfig(_Model):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     # SHA-256 (hex) of each API key; the keys themselves never appear in config.
@@ -252,6 +333,7 @@ class Config(_Model):
     admission: AdmissionConfig = AdmissionConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    routing: RoutingConfig = RoutingConfig()
     auth: AuthConfig = AuthConfig()
     tenants: list[TenantConfig] = []
     state: StateConfig = StateConfig()

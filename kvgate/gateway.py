@@ -1,8 +1,10 @@
 """The request path, top to bottom, and the services it calls.
 
     parse & validate → identify tenant → count tokens, bound worst case → choose pool
-    → charge tenant budget → admit on a replica's ledger (or wait in the fair queue)
-    → forward and stream back → settle: release blocks, correct the charge, record metrics
+    → charge tenant budget → rank replicas (router) → admit on the first one's ledger with
+    room (or wait in the fair queue, ranked again each attempt) → forward and stream back
+    (once more elsewhere if the replica failed before any byte reached the client)
+    → settle: release blocks, correct the charge, record metrics
 
 Each resource is held by an `async with`, so every ending — completion, upstream error,
 timeout, client disconnect, cancellation — releases it exactly once.
@@ -10,31 +12,44 @@ timeout, client disconnect, cancellation — releases it exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kvgate.admission import Admission
+from kvgate.admission import Admission, Ranker
 from kvgate.calibration import Calibration, Terms
 from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
 from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
-from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
+from kvgate.errors import (
+    KvgateError,
+    NeverFits,
+    NoReplica,
+    NotFound,
+    PayloadTooLarge,
+    ServerError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
-from kvgate.replicas import Registry, Replica
+from kvgate.replicas import Registry
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
-from kvgate.routing.policies import LeastLoaded, RoutingPolicy
+from kvgate.routing.fleet import Fleet
+from kvgate.routing.health import Breakers
 from kvgate.routing.pools import choose_pool, overflow_chain
+from kvgate.routing.route import Route
+from kvgate.routing.router import Ranking, Router
+from kvgate.routing.sessions import Sessions, session_key
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Charge, Directory, check_access
 from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
-
-SESSION_HEADER = "X-Kvgate-Session"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +90,10 @@ class Gateway:
     store: StateStore
     metrics: Metrics
     calibration: Calibration
+    router: Router
+    sessions: Sessions
+    breakers: Breakers
     predictor: OutputPredictor = field(default_factory=OutputPredictor)
-    policy: RoutingPolicy = field(default_factory=LeastLoaded)
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         rt = self.runtime  # this request's config, whatever a reload does meanwhile
@@ -84,7 +101,7 @@ class Gateway:
 
         # parse & validate, identify the tenant
         raw = await read_body(request, rt.config.server.max_body_bytes)
-        parsed = parse_body(raw, endpoint, request.headers.get(SESSION_HEADER))
+        parsed = parse_body(raw, endpoint)
         info.model = parsed.model
         tenant = rt.directory.identify(request.headers, request.remote)
         info.tenant = tenant.name
@@ -97,27 +114,93 @@ class Gateway:
         model = rt.config.model(parsed.model)
         sized = self.bound(parsed, count, terms, tenant, model, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
-        info.pool, candidates = self.candidates(rt, first_pool, parsed.model)
+        fleet = self.fleet()
+        info.pool = self.router.pool(
+            parsed.model, overflow_chain(rt.config.pools, first_pool), fleet
+        )
         bound = self.bound(
             parsed, count, terms, tenant, model,
-            model.max_model_len or max_model_len(parsed.model, candidates),
+            model.max_model_len or max_model_len(parsed.model, fleet, info.pool),
         )
         info.prompt_tokens = bound.prompt_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
+        route = Route(
+            demand, session_key(parsed, request.headers, rt.config.routing.sessions),
+            prefix=demand.prefix_key,
+        )
 
-        # charge the tenant, admit on a replica's ledger, forward; settle on every ending
-        outcome = Outcome()
+        # charge the tenant, then admit, forward and settle on every ending
+        outcomes = [Outcome()]  # one per attempt; the last one is what the tenant pays for
         held_at_most = rt.config.admission.queue.max_wait_s + (demand.max_hold_s or 0.0)
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             try:
-                async with self.admission.admit(demand, candidates) as slot:
-                    info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
-                    slot.progress = lambda: bound.prompt_tokens + processed_tokens(
-                        parsed, bound, outcome
-                    )
-                    return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
+                return await self.serve(request, rt, parsed, bound, route, charge, outcomes)
             finally:
-                await self.settle(charge, parsed, count, bound, outcome, info)
+                await self.settle(charge, parsed, count, bound, outcomes[-1], info)
+
+    async def serve(
+        self,
+        request: web.Request,
+        rt: Runtime,
+        parsed: ParsedRequest,
+        bound: Bound,
+        route: Route,
+        charge: Charge,
+        outcomes: list[Outcome],
+    ) -> web.StreamResponse:
+        """Admit on the router's best replica with room and forward. If that replica fails
+        before any byte reached the client, release it and go once more elsewhere (the
+        reservation moves with the request); each attempt appends its `Outcome`."""
+        info: RequestInfo = request[REQUEST_INFO]
+        failed: ServerError | None = None
+        while True:
+            outcome = outcomes[-1]
+            ranked: list[Ranking] = []
+            try:
+                async with self.admission.admit(route.demand, self.ranker(route, rt, ranked)) as slot:
+                    info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
+                    await self.routed(route, rt, slot, ranked)
+                    slot.progress = written_so_far(parsed, bound, outcome)
+                    return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
+            except (NoReplica, NeverFits):
+                if failed is not None:  # nowhere else to go: the replica's own failure stands
+                    raise failed from None
+                raise
+            except ServerError as exc:
+                reason = retry_reason(exc, outcome, rt)
+                if reason is None or len(outcomes) > rt.config.routing.retry.attempts:
+                    raise
+                self.metrics.upstream_retries.labels(info.pool, reason).inc()
+                route = dataclasses.replace(route, exclude=route.exclude | {info.replica or ""})
+                failed = exc
+                outcomes.append(Outcome())
+
+    def ranker(self, route: Route, rt: Runtime, ranked: list[Ranking]) -> Ranker:
+        """Ranks replicas for `route` against a fresh fleet snapshot on every call; keeps the
+        last ranking in `ranked` for the metrics of where the request ran."""
+
+        async def rank(waited_s: float) -> Ranking:
+            ranking = await self.router.rank(route, self.fleet(), rt.config.routing)
+            ranked[:] = [ranking]
+            return ranking
+
+        return rank
+
+    async def routed(self, route: Route, rt: Runtime, slot: Slot, ranked: list[Ranking]) -> None:
+        """The request was admitted on `slot.replica`: bind its session there, count where
+        its prefix went."""
+        favourites: Mapping[str, str] = ranked[0].favourites if ranked else {}
+        if route.prefix is not None and "prefix_affinity" in rt.config.routing.scorers:
+            where = "preferred" if favourites.get("prefix_affinity") == slot.replica.id else "elsewhere"
+            self.metrics.prefix_routes.labels(route.demand.pool, where).inc()
+        if route.session_key is not None and "session" in rt.config.routing.scorers:
+            await self.sessions.ran_on(
+                route.session_key, slot.replica.id, self.fleet(), rt.config.routing.sessions.ttl_s
+            )
+
+    def fleet(self) -> Fleet:
+        """The fleet as it is now: one snapshot for routing, gauges and the admin view."""
+        return self.admission.snapshot(self.registry, circuit=self.breakers.state)
 
     def bound(
         self,
@@ -196,6 +279,7 @@ class Gateway:
         if rt.config.server.accounting_headers:
             headers["X-Kvgate-Prompt-Tokens"] = str(bound.prompt_tokens)
             headers["X-Kvgate-Reserved-Blocks"] = str(slot.reserved_blocks)
+        self.breakers.begin(replica.id)
         try:
             return await self.relay.forward(
                 request,
@@ -213,6 +297,7 @@ class Gateway:
             )
         finally:
             replica.inflight.pop(info.key, None)
+            self.breakers.judge(replica.id, replica_failed(outcome))
             info.disconnected = outcome.client_disconnected and not outcome.done
             info.delivered = outcome.done
             self.observe(info, parsed, bound, slot, outcome)
@@ -299,21 +384,46 @@ class Gateway:
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
                            param="model")
 
-    def candidates(self, rt: Runtime, first_pool: str, model: str) -> tuple[str, list[Replica]]:
-        """The first pool along the overflow chain with a healthy replica serving `model`,
-        and those replicas in the routing policy's order."""
-        for pool in overflow_chain(rt.config.pools, first_pool):
-            ready = [r for r in self.registry.in_pool(pool) if r.healthy and r.serves(model)]
-            if ready:
-                return pool, self.policy.order(ready, self.admission.reserved)
-        raise NoReplica(f"no healthy replica in pool {first_pool!r} serves model {model!r}")
-
 
 def fit_name(parsed: ParsedRequest, count: PromptCount) -> str:
     """Which calibration fit a request belongs to: per endpoint, and apart for chats counted
     with the model's own template (their features mean something else)."""
     name = parsed.endpoint.name.lower()
     return f"{name}+template" if count.templated else name
+
+
+def written_so_far(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> Callable[[], int]:
+    """Tokens the request has written on its replica so far: the prompt and the answer."""
+    return lambda: bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
+
+
+def replica_failed(outcome: Outcome) -> bool | None:
+    """What an attempt says of its replica: True if the replica failed (unreachable, 5xx,
+    silent past a timeout, broken stream), False if it answered (a 4xx included), None if the
+    client left before the replica showed either."""
+    if outcome.upstream_failed:
+        return True
+    if outcome.status:
+        return False
+    return None
+
+
+def retry_reason(exc: KvgateError, outcome: Outcome, rt: Runtime) -> str | None:
+    """Why the request may go to another replica, or None. Only failures before any byte
+    reached the client (the relay raises those; later ones end the stream in-band) and before
+    the replica could have done the work: it was unreachable, answered 5xx, or — when
+    retry.on_timeout — sent no headers within first_byte_s."""
+    if outcome.sent_at is None or not isinstance(exc, UpstreamError | UpstreamTimeout):
+        return None
+    if outcome.unreachable:
+        return "unreachable"
+    if outcome.status >= 500:
+        return "upstream_error"
+    if outcome.status == 0:
+        if isinstance(exc, UpstreamTimeout):
+            return "timeout" if rt.config.routing.retry.on_timeout else None
+        return "upstream_error"  # the connection broke before the headers
+    return None
 
 
 def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:
@@ -333,10 +443,13 @@ def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> i
     return min(bound.max_tokens, math.ceil(outcome.token_rate * elapsed)) * sequences
 
 
-def max_model_len(model: str, candidates: list[Replica]) -> int | None:
-    """The largest context any candidate reports for `model` (admission then skips replicas
-    whose own limit is smaller)."""
-    lengths = [n for r in candidates if (n := r.max_model_len(model)) is not None]
+def max_model_len(model: str, fleet: Fleet, pool: str) -> int | None:
+    """The largest context any routable replica of the pool reports for `model` (the router
+    then skips replicas whose own limit is smaller)."""
+    lengths = [
+        n for v in fleet.in_pool(pool)
+        if v.routable and model in v.models and (n := v.max_model_len(model)) is not None
+    ]
     return max(lengths) if lengths else None
 
 

@@ -97,6 +97,28 @@ class Metrics:
             "kvgate_replica_healthy", "1 when the last discovery succeeded.", ["replica"],
             registry=r,
         )
+        self.circuit_state = Gauge(
+            "kvgate_replica_circuit_state", "The replica's circuit breaker: 0 closed, 1 half "
+            "open (one trial request), 2 open (ejected after consecutive failures).",
+            ["replica"], registry=r,
+        )
+        self.draining = Gauge(
+            "kvgate_replica_draining", "1 while the replica takes no new requests (drain).",
+            ["replica"], registry=r,
+        )
+        self.upstream_retries = Counter(
+            "kvgate_upstream_retries", "Requests sent to another replica after theirs failed "
+            "before any byte reached the client, by reason.", ["pool", "reason"], registry=r,
+        )
+        self.session_routes = Counter(
+            "kvgate_session_routes", "Requests with a session key, by result (hit, new, "
+            "rebound) and reason.", ["result", "reason"], registry=r,
+        )
+        self.prefix_routes = Counter(
+            "kvgate_prefix_routes", "Requests with a prefix key, by where they ran: preferred "
+            "(the prefix's replica under its bounded load) or elsewhere.", ["pool", "result"],
+            registry=r,
+        )
         self.worst_case_blocks = Histogram(
             "kvgate_request_worst_case_blocks", "Worst-case KV blocks per admitted request.",
             ["pool"], buckets=BLOCK_BUCKETS, registry=r,

@@ -104,6 +104,12 @@ class Replica:
     inflight: dict[str, Callable[[], int]] = field(default_factory=dict)
     # Output tokens per second of one sequence here, recently (None until a request ends).
     token_rate: float | None = None
+    drain_requested: bool = False  # by POST /admin/replicas/{id}/drain (undone by .../undrain)
+    vanished: bool = False  # its DNS name no longer resolves to it: drained, then forgotten
+
+    @property
+    def draining(self) -> bool:
+        return self.config.drain or self.drain_requested or self.vanished
 
     @property
     def id(self) -> str:

@@ -34,14 +34,13 @@ class ParsedRequest:
     max_tokens: int | None  # as the client sent it (max_completion_tokens counts too)
     sequences: int  # n (or best_of): sequences generated in parallel, each up to max_tokens
     user: str | None
-    session_key: str | None
 
     @property
     def messages(self) -> list[dict[str, Any]]:
         return self.body.get("messages") or []
 
 
-def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None) -> ParsedRequest:
+def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -72,7 +71,6 @@ def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("'user' must be a string", param="user")
-    session = session_header or user
     return ParsedRequest(
         endpoint=endpoint,
         body=body,
@@ -82,7 +80,6 @@ def parse_body(raw: bytes, endpoint: Endpoint, session_header: str | None = None
         max_tokens=max_tokens,
         sequences=_sequences(body),
         user=user,
-        session_key=session or None,
     )
 
 

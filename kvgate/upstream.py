@@ -35,7 +35,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Client headers that only concern kvgate and are never sent on.
-PRIVATE = frozenset({"x-kvgate-session", "x-tenant-id"})
+PRIVATE = frozenset({"x-tenant-id"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,13 +18,29 @@ from kvgate.config import PRIORITY_CLASSES
 from kvgate.queue import FairQueue, Ticket
 
 if TYPE_CHECKING:
-    from kvgate.demand import Demand
+    from kvgate.demand import Demand, Slot
     from kvgate.replicas import Replica
+    from kvgate.routing.router import Ranking
 
 # A waiter that has used this share of its wait budget is not passed by smaller requests.
 AGING_SHARE = 0.5
 # The rate a pool frees blocks at, for early refusals, is measured over this window.
 FREED_WINDOW_S = 10.0
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """A queued request: what it needs, how to rank replicas for it, where its slot goes, and
+    its latest ranking (for estimates between attempts)."""
+
+    demand: Demand
+    rank: Callable[[float], Awaitable[Ranking]]
+    future: asyncio.Future[Slot]
+    ranking: Ranking
+
+    @property
+    def candidates(self) -> list[Replica]:
+        return [view.replica for view in self.ranking.replicas]
 
 
 @dataclass(slots=True)
@@ -76,8 +92,9 @@ class PoolQueue:
         for queued in self.queue:
             if queued is upto:
                 break
-            queued_demand, queued_candidates, future = queued.payload
-            if future.done() or queued.rank > rank:
+            waiter: Waiter = queued.payload
+            queued_demand, queued_candidates = waiter.demand, waiter.candidates
+            if waiter.future.done() or queued.rank > rank:
                 continue
             if not any(r.id in ids for r in queued_candidates):
                 continue

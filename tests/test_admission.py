@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,11 @@ def replica(name: str, blocks: int | None = 100, block_size: int = 16) -> Replic
 
 def demand(tokens: int, tenant: str = "t", priority: str = "standard") -> Demand:
     return Demand("p", "m", tokens, tenant, priority)
+
+
+def admit(harness: Any, demand: Demand, *replicas: Replica) -> Any:
+    """Admit `demand` on the first of `replicas` (in this order) with room."""
+    return harness.admission.admit(demand, harness.admission.in_order(replicas))
 
 
 class Harness:
@@ -57,7 +63,7 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
 
 async def test_worst_case_is_reserved_in_blocks_and_released_on_completion(harness):
     r = replica("a")
-    async with harness.admission.admit(demand(100), [r]) as slot:  # ceil(100/16) = 7
+    async with admit(harness, demand(100), r) as slot:  # ceil(100/16) = 7
         assert slot.blocks == 7 and slot.replica is r
         assert await harness.held(r) == 7
     assert await harness.held(r) == 0
@@ -66,18 +72,18 @@ async def test_worst_case_is_reserved_in_blocks_and_released_on_completion(harne
 async def test_target_utilization_bounds_the_ledger():
     h = Harness(AdmissionConfig(target_utilization=0.5, queue=QueueConfig(max_wait_s=0.2)))
     r = replica("a", blocks=100)  # admissible: 50 blocks
-    async with h.admission.admit(demand(16 * 40), [r]):
+    async with admit(h, demand(16 * 40), r):
         with pytest.raises(RateLimited) as refused:
-            async with h.admission.admit(demand(16 * 11), [r]):
+            async with admit(h, demand(16 * 11), r):
                 pass
         assert refused.value.code == "queue_timeout"
-        async with h.admission.admit(demand(16 * 10), [r]):
+        async with admit(h, demand(16 * 10), r):
             assert await h.held(r) == 50
 
 
 async def test_a_request_that_can_never_fit_gets_400_with_the_numbers(harness):
     with pytest.raises(NeverFits) as refused:
-        async with harness.admission.admit(demand(16 * 101), [replica("a"), replica("b", 80)]):
+        async with admit(harness, demand(16 * 101), replica("a"), replica("b", 80)):
             pass
     message = refused.value.message
     assert "1616 tokens = 101 KV blocks" in message and "at most 100 blocks" in message
@@ -86,15 +92,15 @@ async def test_a_request_that_can_never_fit_gets_400_with_the_numbers(harness):
 
 async def test_unknown_capacity_is_not_admitted_to(harness):
     with pytest.raises(NoReplica):
-        async with harness.admission.admit(demand(16), [replica("a", blocks=None)]):
+        async with admit(harness, demand(16), replica("a", blocks=None)):
             pass
 
 
 async def test_the_emptier_candidate_is_used_when_the_first_is_full(harness):
     a, b = replica("a", 10), replica("b", 10)
     async with (
-        harness.admission.admit(demand(16 * 8), [a, b]) as first,
-        harness.admission.admit(demand(16 * 8), [a, b]) as second,
+        admit(harness, demand(16 * 8), a, b) as first,
+        admit(harness, demand(16 * 8), a, b) as second,
     ):
         assert (first.replica, second.replica) == (a, b)
 
@@ -103,7 +109,7 @@ async def test_a_replica_with_a_long_vllm_queue_is_held_back():
     h = Harness(AdmissionConfig(max_replica_waiting=2, queue=QueueConfig(max_wait_s=0.1)))
     busy, calm = replica("busy"), replica("calm")
     busy.scrape = Scrape(at=time.monotonic(), waiting=5)
-    async with h.admission.admit(demand(16), [busy, calm]) as slot:
+    async with admit(h, demand(16), busy, calm) as slot:
         assert slot.replica is calm
 
 
@@ -119,7 +125,7 @@ async def test_concurrent_admits_never_exceed_the_bound(harness):
 
     async def one(i: int) -> None:
         nonlocal peak, done
-        async with harness.admission.admit(demand(16 * (3 + i % 5), tenant=f"t{i % 3}"), [r]):
+        async with admit(harness, demand(16 * (3 + i % 5), tenant=f"t{i % 3}"), r):
             peak = max(peak, await harness.held(r))
             await asyncio.sleep(0.001 * (i % 4))
         done += 1
@@ -133,7 +139,7 @@ async def test_concurrent_admits_never_exceed_the_bound(harness):
 async def test_body_error_releases(harness):
     r = replica("a")
     with pytest.raises(RuntimeError):
-        async with harness.admission.admit(demand(160), [r]):
+        async with admit(harness, demand(160), r):
             raise RuntimeError("upstream broke")
     assert await harness.held(r) == 0
 
@@ -143,7 +149,7 @@ async def test_cancellation_while_holding_releases(harness):
     entered = asyncio.Event()
 
     async def hold() -> None:
-        async with harness.admission.admit(demand(160), [r]):
+        async with admit(harness, demand(160), r):
             entered.set()
             await asyncio.sleep(60)
 
@@ -157,7 +163,7 @@ async def test_cancellation_while_holding_releases(harness):
 
 async def test_cancellation_while_queued_frees_the_slot(harness):
     r = replica("a", blocks=10)
-    async with harness.admission.admit(demand(16 * 10), [r]):
+    async with admit(harness, demand(16 * 10), r):
         waiter = asyncio.create_task(_admit_and_hold(harness, r, 16 * 5))
         await _until(lambda: len(harness.admission._pool("p").queue) == 1)
         waiter.cancel()
@@ -172,7 +178,7 @@ async def test_queued_request_is_admitted_when_capacity_frees(harness):
     release = asyncio.Event()
 
     async def first() -> None:
-        async with harness.admission.admit(demand(16 * 10), [r]):
+        async with admit(harness, demand(16 * 10), r):
             await release.wait()
 
     holder = asyncio.create_task(first())
@@ -180,7 +186,7 @@ async def test_queued_request_is_admitted_when_capacity_frees(harness):
     held_while_running: list[int] = []
 
     async def queued() -> Slot:
-        async with harness.admission.admit(demand(16 * 6), [r]) as slot:
+        async with admit(harness, demand(16 * 6), r) as slot:
             held_while_running.append(await harness.held(r))
             return slot
 
@@ -199,9 +205,9 @@ async def test_queue_wait_is_bounded_and_the_429_has_a_retry_after():
     r = replica("a", blocks=10)
     task = asyncio.create_task(h.admission.dispatch("p"))
     try:
-        async with h.admission.admit(demand(16 * 9), [r]):
+        async with admit(h, demand(16 * 9), r):
             with pytest.raises(RateLimited) as refused:
-                async with h.admission.admit(demand(16 * 5), [r]):
+                async with admit(h, demand(16 * 5), r):
                     pass
         assert refused.value.code == "queue_timeout" and refused.value.status == 429
         assert int(refused.value.headers["Retry-After"]) >= 1
@@ -219,7 +225,7 @@ async def test_queue_wait_is_bounded_and_the_429_has_a_retry_after():
 )
 async def test_full_queue_sheds_the_lowest_class_first(harness):
     r = replica("a", blocks=10)
-    async with harness.admission.admit(demand(16 * 10), [r]):
+    async with admit(harness, demand(16 * 10), r):
         low1 = asyncio.create_task(_admit_and_hold(harness, r, 16, "x", "sheddable", hold_s=0))
         low2 = asyncio.create_task(_admit_and_hold(harness, r, 16, "y", "sheddable"))
         await _until(lambda: len(harness.admission._pool("p").queue) == 2)
@@ -241,11 +247,11 @@ async def test_two_tenants_under_burst_are_admitted_alternately(harness):
     gate = asyncio.Event()
 
     async def one(tenant: str, i: int) -> None:
-        async with harness.admission.admit(demand(16 * 4, tenant), [r]):
+        async with admit(harness, demand(16 * 4, tenant), r):
             order.append(f"{tenant}{i}")
             await asyncio.sleep(0)
 
-    async with harness.admission.admit(demand(16 * 4, "holder"), [r]):
+    async with admit(harness, demand(16 * 4, "holder"), r):
         tasks = [asyncio.create_task(one("a", i)) for i in range(4)]
         await _until(lambda: len(harness.admission._pool("p").queue) == 4)
         tasks += [asyncio.create_task(one("b", i)) for i in range(2)]
@@ -259,7 +265,7 @@ async def _admit_and_hold(
     h: Harness, r: Replica, tokens: int, tenant: str = "t", priority: str = "standard",
     hold_s: float = 60,
 ):
-    async with h.admission.admit(demand(tokens, tenant, priority), [r]) as slot:
+    async with admit(h, demand(tokens, tenant, priority), r) as slot:
         await asyncio.sleep(hold_s)
         return slot
 
@@ -280,10 +286,10 @@ def prefixed(tokens: int, prefix_tokens: int, tenant: str = "t") -> Demand:
 async def test_a_shared_prefix_is_reserved_once_per_replica_and_released_with_its_last_user(harness):
     r = replica("a", blocks=100)
     # 20 blocks of prompt+answer, of which a 10-block system prompt: credit 10 - 1 = 9 blocks
-    async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]) as first:
+    async with admit(harness, prefixed(16 * 20, 16 * 10), r) as first:
         assert (first.blocks, first.shared.blocks) == (11, 9)
         assert await harness.held(r) == 20
-        async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]) as second:
+        async with admit(harness, prefixed(16 * 20, 16 * 10), r) as second:
             assert second.shared is first.shared and second.blocks == 11
             assert await harness.held(r) == 31  # not 40: the prefix is held once
         assert await harness.held(r) == 20  # the first user still holds the prefix
@@ -305,7 +311,7 @@ async def test_a_store_failure_after_the_prefix_lease_does_not_leak_it(harness):
 
     harness.store.try_acquire = failing_second_call
     with pytest.raises(StateStoreError):
-        async with harness.admission.admit(prefixed(16 * 20, 16 * 10), [r]):
+        async with admit(harness, prefixed(16 * 20, 16 * 10), r):
             pass
     assert await harness.held(r) == 0
     assert len(harness.admission.prefixes) == 0

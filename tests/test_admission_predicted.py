@@ -16,7 +16,7 @@ from kvgate.errors import RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.state.memory import MemoryStore
-from tests.test_admission import replica
+from tests.test_admission import admit, replica
 
 
 def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "standard") -> Demand:
@@ -61,7 +61,7 @@ def test_a_reservation_stays_its_lookahead_ahead_of_the_answer_and_never_past_th
 async def test_predicted_demand_reserves_the_likely_answer_and_grows_with_it(gate):
     r = replica("a", blocks=100)
     written = [0]
-    async with gate.admission.admit(predicted(16 * 10, 16 * 60), [r]) as slot:
+    async with admit(gate, predicted(16 * 10, 16 * 60), r) as slot:
         assert await gate.held(r) == 10 and slot.worst_blocks == 60
         slot.progress = lambda: written[0]
         written[0] = 16 * 10  # the answer outran its prediction
@@ -79,20 +79,20 @@ async def test_predicted_reservations_let_more_requests_in_than_worst_cases(gate
     async with contextlib_stack(gate, r, [predicted(16 * 10, 16 * 60)] * 9) as slots:
         assert len(slots) == 9 and await gate.held(r) == 90
     worst = Demand("p", "m", 16 * 60, "t", "standard")
-    async with gate.admission.admit(worst, [r]):
+    async with admit(gate, worst, r):
         with pytest.raises(TimeoutError):  # a second worst case waits: 120 > 100 blocks
             async with asyncio.timeout(0.3):
-                async with gate.admission.admit(worst, [r]):
+                async with admit(gate, worst, r):
                     pass
 
 
 async def test_a_request_that_fits_nowhere_yet_does_not_hold_back_smaller_ones(gate):
     r = replica("a", blocks=100)
-    async with gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+    async with admit(gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
         big = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "t", "standard"), r))
         await asyncio.sleep(0.05)
         async with asyncio.timeout(1):  # passes the big one waiting at the head
-            async with gate.admission.admit(Demand("p", "m", 16 * 30, "u", "standard"), [r]):
+            async with admit(gate, Demand("p", "m", 16 * 30, "u", "standard"), r):
                 assert await gate.held(r) == 90
         assert not big.done()
     assert await big == 50  # and the big one still gets in once there is room
@@ -106,10 +106,10 @@ async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once(
     now = time.monotonic()
     for i in range(4):  # the pool has freed 40 blocks over the last 4 s: 10 per second
         pool.freed.append((now - 4 + i, 10))
-    async with g.admission.admit(Demand("p", "m", 16 * 90, "t", "standard"), [r]):
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
         started = time.monotonic()
         with pytest.raises(RateLimited) as refused:
-            async with g.admission.admit(Demand("p", "m", 16 * 50, "t", "standard"), [r]):
+            async with admit(g, Demand("p", "m", 16 * 50, "t", "standard"), r):
                 pass
     assert refused.value.code == "wait_budget_exceeded"
     assert time.monotonic() - started < 0.5  # refused, not left to wait
@@ -118,7 +118,7 @@ async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once(
 
 
 async def enter(gate: Gate, demand: Demand, r) -> int:
-    async with gate.admission.admit(demand, [r]):
+    async with admit(gate, demand, r):
         return await gate.held(r)
 
 
@@ -132,7 +132,7 @@ class contextlib_stack:
     async def __aenter__(self) -> list[Slot]:
         slots = []
         for demand in self.demands:
-            context = self.gate.admission.admit(demand, [self.r])
+            context = self.gate.admission.admit(demand, self.gate.admission.in_order([self.r]))
             slots.append(await context.__aenter__())
             self.contexts.append(context)
         return slots
@@ -147,16 +147,16 @@ async def test_a_request_never_reserves_less_than_nothing_when_a_larger_prefix_i
     big_prefix = Demand("p", "m", 16 * 80, "t", "standard", prefix_key="m:sys",
                         prefix_tokens=16 * 70)
     small = Demand("p", "m", 16 * 10, "t", "standard", prefix_key="m:sys", prefix_tokens=16 * 9)
-    async with gate.admission.admit(big_prefix, [r]):
+    async with admit(gate, big_prefix, r):
         held = await gate.held(r)
-        async with gate.admission.admit(small, [r]) as slot:
+        async with admit(gate, small, r) as slot:
             assert slot.blocks >= 0 and slot.shared is None  # no credit from a larger prefix
             assert await gate.held(r) == held + 10
 
 
 async def test_a_waiting_critical_request_is_not_passed_by_standard_ones(gate):
     r = replica("a", blocks=100)
-    async with gate.admission.admit(Demand("p", "m", 16 * 80, "t", "standard"), [r]) as first:
+    async with admit(gate, Demand("p", "m", 16 * 80, "t", "standard"), r) as first:
         critical = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "vip", "critical"), r))
         await asyncio.sleep(0.05)
         small = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), r))
@@ -169,7 +169,7 @@ async def test_a_waiting_critical_request_is_not_passed_by_standard_ones(gate):
 
 async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_replica(gate):
     full, idle = replica("full", blocks=100), replica("idle", blocks=100)
-    async with gate.admission.admit(Demand("p", "m", 16 * 95, "t", "standard"), [full]):
+    async with admit(gate, Demand("p", "m", 16 * 95, "t", "standard"), full):
         stuck = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), full))
         await asyncio.sleep(0.05)
         async with asyncio.timeout(1):
@@ -195,7 +195,7 @@ async def slow_gate() -> AsyncIterator[Gate]:
 
 async def test_no_early_refusal_while_the_request_could_start_now(slow_gate):
     r = replica("a", blocks=100)
-    async with slow_gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+    async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
         # a large request of the same class waits for 80 blocks; a small one fits in the
         # 40 free and may pass it: it is not refused for the large one's wait
         large = asyncio.create_task(enter(slow_gate, Demand("p", "m", 16 * 80, "u", "standard"), r))
@@ -210,7 +210,7 @@ async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_no
     slow_gate,
 ):
     r = replica("a", blocks=100)
-    async with slow_gate.admission.admit(Demand("p", "m", 16 * 60, "t", "standard"), [r]):
+    async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
         critical = asyncio.create_task(
             enter(slow_gate, Demand("p", "m", 16 * 80, "vip", "critical"), r))
         await asyncio.sleep(0.05)

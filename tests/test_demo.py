@@ -26,7 +26,9 @@ def test_demo_workload_runs_three_ways_and_worst_case_never_preempts(capsys):
     assert bare["preemptions"] > 0
     assert worst["preemptions"] == 0
     # A shared system prompt gives the chat replicas most of their prompt tokens from cache.
-    assert worst["replicas"]["normal-a"]["prefix_hit_rate"] > 0.5
+    chat = [worst["replicas"][name] for name in ("normal-a", "normal-b")]
+    hits = sum(r["prefix_cache_hits"] for r in chat)
+    assert hits / sum(r["prefix_cache_queries"] for r in chat) > 0.5
     assert worst["prefix_hit_rate"] is not None
 
 

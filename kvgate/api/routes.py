@@ -141,37 +141,57 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def admin_replicas(request: web.Request) -> web.Response:
+    """The fleet as routing and admission see it (the same snapshot the gauges export)."""
     gateway = request.app[GATEWAY]
-    config = gateway.runtime.config.admission
     out = []
-    for replica in gateway.registry:
-        scrape = replica.scrape
-        total = replica.num_gpu_blocks
+    for view in gateway.fleet():
+        replica = view.replica
         out.append({
-            "id": replica.id,
+            "id": view.id,
             "url": replica.url,
-            "pool": replica.pool,
-            "healthy": replica.healthy,
+            "pool": view.pool,
+            "healthy": view.healthy,
+            "circuit": view.circuit,
+            "draining": view.draining,
             "last_error": replica.last_error,
-            "models": sorted(replica.models),
-            "num_gpu_blocks": total,
-            "block_size": replica.block_size,
-            "admissible_blocks": int(total * config.target_utilization) if total else None,
-            "reserved_blocks": gateway.admission.reserved.get(replica.id, 0),
-            "written_blocks": replica.written_blocks(),
-            "inflight": len(replica.inflight),
-            "shared_prefix_blocks": gateway.admission.prefixes.held_blocks(replica.id),
-            "vllm": None if scrape is None else {
-                "kv_usage": scrape.kv_usage, "running": scrape.running,
-                "waiting": scrape.waiting, "preemptions": scrape.preemptions,
-                "prefix_cache_hit_rate": (
-                    scrape.prefix_hits / scrape.prefix_queries
-                    if scrape.prefix_queries and scrape.prefix_hits is not None else None
-                ),
-                "age_s": round(time.monotonic() - scrape.at, 3),
+            "models": sorted(view.models),
+            "num_gpu_blocks": view.num_gpu_blocks,
+            "block_size": view.block_size,
+            "admissible_blocks": view.admissible_blocks,
+            "reserved_blocks": view.reserved_blocks,
+            "written_blocks": view.written_blocks,
+            "headroom_blocks": view.headroom_blocks,
+            "headroom_requests": view.headroom_requests,
+            "overcommit": view.overcommit,
+            "inflight": view.inflight,
+            "shared_prefix_blocks": view.shared_prefix_blocks,
+            "vllm": None if view.scrape_age_s is None else {
+                "kv_usage": view.kv_usage, "running": view.running,
+                "waiting": view.waiting, "preemptions": view.preemptions,
+                "prefix_cache_hit_rate": view.prefix_hit_rate,
+                "age_s": view.scrape_age_s,
             },
         })
     return web.json_response({"replicas": out})
+
+
+def _drain_handler(drain: bool) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        """Drain a replica (no new requests; in-flight ones finish; its sessions are rebound
+        on their next request) or take it back. Not persisted: a restart or the config's
+        `drain` flag decides again."""
+        gateway = request.app[GATEWAY]
+        replica = gateway.registry.get(request.match_info["replica"])
+        if replica is None:
+            raise NotFound(f"no replica {request.match_info['replica']!r}", code="unknown_replica")
+        replica.drain_requested = drain
+        log.warning("replica %s: %s by the admin API", replica.id, "draining" if drain else "undrained")
+        gateway.admission.wake_all()
+        return web.json_response({
+            "id": replica.id, "draining": replica.draining, "inflight": len(replica.inflight),
+        })
+
+    return handler
 
 
 def add_routes(app: web.Application) -> None:
@@ -182,3 +202,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/replicas", admin_replicas)
+    app.router.add_post("/admin/replicas/{replica}/drain", _drain_handler(True))
+    app.router.add_post("/admin/replicas/{replica}/undrain", _drain_handler(False))

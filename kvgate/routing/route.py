@@ -1,0 +1,15 @@
+"""What the router needs to know of one request: a frozen value, built once by the gateway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.demand import Demand
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    demand: Demand  # model, pool, tenant and class, what to reserve and the worst case
+    session_key: str | None = None
+    prefix: str | None = None  # fingerprint of the prompt's leading part (system prompt, tools)
+    exclude: frozenset[str] = frozenset()  # replicas that already failed this request

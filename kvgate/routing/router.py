@@ -1,0 +1,113 @@
+"""The routing stage: which replicas may take a request, and in which order to try them.
+
+    filters ──► scorers (each in [0, 1], weighted by config) ──► picker (best first)
+
+shaped like llm-d's endpoint picker. `rank` is called on arrival and again on every attempt
+of a queued request, each time against a fresh `Fleet` snapshot, so a queued request goes
+where room appears, not where it was sent when it joined. Admission tries the ranking in order
+and takes the first replica whose ledger has room: the router expresses a preference, never a
+promise — affinity never overrides capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvgate.config import ConfigError, RoutingConfig
+from kvgate.errors import NoReplica
+from kvgate.routing.fleet import Fleet, ReplicaView
+from kvgate.routing.route import Route
+from kvgate.routing.scorers import SCORERS, Deps, Scorer
+
+Filter = Callable[[Route, ReplicaView], bool]
+
+
+def routable(route: Route, view: ReplicaView) -> bool:
+    """Healthy by the active checks, circuit not open, not draining."""
+    return view.routable
+
+
+def serves_model(route: Route, view: ReplicaView) -> bool:
+    return route.demand.model in view.models
+
+
+def fits_context(route: Route, view: ReplicaView) -> bool:
+    limit = view.max_model_len(route.demand.model)
+    return limit is None or route.demand.worst_tokens <= limit
+
+
+def not_failed_before(route: Route, view: ReplicaView) -> bool:
+    """A retried request goes elsewhere."""
+    return view.id not in route.exclude
+
+
+FILTERS: tuple[Filter, ...] = (routable, serves_model, fits_context, not_failed_before)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    replicas: list[ReplicaView]  # best first
+    # The session's bound replica when it is among them: admission waits up to
+    # sessions.affinity_wait_s for room there before trying the others.
+    sticky: ReplicaView | None = None
+    hold_s: float = 0.0
+    # scorer name -> the one replica it scored 1 (the session's, the prefix's), for metrics
+    favourites: Mapping[str, str] = field(default_factory=dict)
+
+
+def scorers_for(names: Mapping[str, float], deps: Deps) -> dict[str, Scorer]:
+    unknown = sorted(set(names) - set(SCORERS))
+    if unknown:
+        raise ConfigError([
+            f"routing.scorers.{name}: unknown scorer (known: {', '.join(sorted(SCORERS))})"
+            for name in unknown
+        ])
+    return {name: SCORERS[name](deps) for name in names}
+
+
+class Router:
+    def __init__(self, deps: Deps, config: RoutingConfig) -> None:
+        self.deps = deps
+        self._scorers = scorers_for(config.scorers, deps)
+
+    def configure(self, config: RoutingConfig) -> None:
+        """A reload: scorers that stay keep their state (round robin's turn)."""
+        fresh = scorers_for(config.scorers, self.deps)
+        self._scorers = {name: self._scorers.get(name, scorer) for name, scorer in fresh.items()}
+
+    @staticmethod
+    def pool(model: str, chain: Sequence[str], fleet: Fleet) -> str:
+        """The first pool along the overflow chain with a routable replica serving `model`."""
+        for pool in chain:
+            if any(v.routable and model in v.models for v in fleet.in_pool(pool)):
+                return pool
+        raise NoReplica(f"no healthy replica in pool {chain[0]!r} serves model {model!r}")
+
+    async def rank(self, route: Route, fleet: Fleet, config: RoutingConfig) -> Ranking:
+        candidates = [
+            v for v in fleet.in_pool(route.demand.pool) if all(f(route, v) for f in FILTERS)
+        ]
+        if not candidates:
+            return Ranking([])
+        totals = [0.0] * len(candidates)
+        sticky = None
+        favourites = {}
+        for name, weight in config.scorers.items():
+            scorer = self._scorers.get(name)
+            if scorer is None or not weight:
+                continue
+            scores = await scorer.score(route, candidates, fleet, config)
+            for i, value in enumerate(scores):
+                totals[i] += weight * min(1.0, max(0.0, value))
+            top = [v for v, s in zip(candidates, scores, strict=True) if s >= 1]
+            if len(top) == 1:
+                favourites[name] = top[0].id
+                if name == "session":
+                    sticky = top[0]
+        order = sorted(
+            range(len(candidates)),
+            key=lambda i: (-totals[i], candidates[i].load, candidates[i].id),
+        )
+        hold = config.sessions.affinity_wait_s if sticky is not None else 0.0
+        return Ranking([candidates[i] for i in order], sticky, hold, favourites)
