@@ -207,7 +207,7 @@ class Admission:
                 own_later = blocks - prefix_blocks
                 try:
                     shared.live = await self._acquire(
-                        key, shared.lease_id, prefix_blocks, limit - own_later, ttl
+                        replica.id, shared.lease_id, prefix_blocks, limit - own_later, ttl
                     )
                 finally:
                     if not shared.live:
@@ -215,7 +215,6 @@ class Admission:
                 if not shared.live:
                     return None
                 self.keeper.add(key, shared.lease_id)  # lives while requests share it
-                self._count(replica.id, prefix_blocks)
             elif shared.live and shared.blocks <= prefix_blocks:
                 shared.refs += 1
             else:
@@ -224,7 +223,7 @@ class Admission:
                 shared = None
         own = max(0, blocks - (shared.blocks if shared else 0))
         try:
-            granted = await self._acquire(key, lease_id, own, limit, ttl)
+            granted = await self._acquire(replica.id, lease_id, own, limit, ttl)
         except BaseException:  # store failure or cancellation: the prefix is not ours to keep
             if shared is not None:
                 await finish(self._unshare(shared))
@@ -236,7 +235,6 @@ class Admission:
         worst_own = demand.worst_blocks_on(replica) - (shared.blocks if shared else 0)
         slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
                     ahead=demand.ahead_tokens or 0)
-        self._count(replica.id, own)
         self.keeper.add(
             key, lease_id, max_age_s=demand.max_hold_s,
             on_stale=lambda: self._release(self._pool(demand.pool), slot),
@@ -256,15 +254,29 @@ class Admission:
     def _count(self, replica_id: str, blocks: int) -> None:
         self.reserved[replica_id] = max(0, self.reserved.get(replica_id, 0) + blocks)
 
-    async def _acquire(self, key: str, lease_id: str, blocks: int, limit: int, ttl: float) -> bool:
+    async def _acquire(
+        self, replica_id: str, lease_id: str, blocks: int, limit: int, ttl: float
+    ) -> bool:
         """try_acquire that cannot leak: if we are cancelled while the store works, a lease it
-        grants anyway is released before the cancellation goes on."""
+        grants anyway is released before the cancellation goes on. The blocks count in this
+        instance's ledger figures while the store decides, so requests ranked meanwhile see
+        them (else a burst would all rank against the same empty ledger)."""
+        key = f"ledger:{replica_id}"
 
         async def undo(granted: bool) -> None:
             if granted:
                 await self._release_lease(key, lease_id)
 
-        return await acquire(self.store.try_acquire(key, lease_id, blocks, limit, ttl), undo)
+        self._count(replica_id, blocks)
+        granted = False
+        try:
+            granted = await acquire(
+                self.store.try_acquire(key, lease_id, blocks, limit, ttl), undo
+            )
+        finally:
+            if not granted:
+                self._count(replica_id, -blocks)
+        return granted
 
     async def _wait(
         self,

@@ -227,16 +227,6 @@ class SessionsConfig(_Model):
     affinity_wait_s: float = Field(0.25, ge=0)
 
 
-class PrefixAffinityConfig(_Model):
-    """Requests sharing a prompt prefix meet on few replicas: consistent hashing with bounded
-    load. A replica takes at most (1 + load_factor) × its capacity-weighted fair share of the
-    reserved blocks before the next replica in the prefix's hash order is preferred; below
-    `free_below` of its admissible blocks a replica is never too loaded."""
-
-    load_factor: float = Field(0.25, ge=0)
-    free_below: float = Field(0.1, ge=0, le=1)
-
-
 class RetryConfig(_Model):
     """A request whose replica failed before any byte reached the client is sent once more to
     another replica (never after streaming began); its reservation moves with it."""
@@ -257,8 +247,14 @@ class RoutingConfig(_Model):
     scorers: dict[str, Annotated[float, Field(ge=0)]] = {
         "session": 4.0, "prefix_affinity": 2.0, "least_loaded": 1.0,
     }
+    # Bounded load: an affinity (a session's replica, a prefix's replica) is honoured while that
+    # replica would hold at most (1 + load_factor) × its capacity-weighted fair share of the
+    # pool's reserved blocks; beyond, the request goes elsewhere (and its session is rebound).
+    load_factor: float = Field(0.25, ge=0)
+    # ...unless it holds less than this share of its admissible blocks: then every affinity is
+    # honoured (a light load has nothing to balance).
+    load_floor: float = Field(0.1, ge=0, le=1)
     sessions: SessionsConfig = SessionsConfig()
-    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
     retry: RetryConfig = RetryConfig()
     circuit: CircuitConfig = CircuitConfig()
 
@@ -463,6 +459,9 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     return parse_config(read_tree(path), env)
 
 
+LONG_THRESHOLD = 16384  # worst-case tokens from which `--long-upstream` replicas serve
+
+
 def quick_config(
     upstreams: list[str], long_upstreams: list[str] | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
@@ -471,7 +470,7 @@ def quick_config(
     if long_upstreams:
         tree["pools"]["long"] = {
             "replicas": [{"url": u} for u in long_upstreams],
-            "min_worst_case_tokens": 16384,
+            "min_worst_case_tokens": LONG_THRESHOLD,
         }
     if redis_url:
         tree["state"] = {"backend": "redis", "redis_url": redis_url}
@@ -483,6 +482,7 @@ def apply_overrides(
     *,
     upstreams: list[str] | None = None,
     long_upstreams: list[str] | None = None,
+    long_threshold: int | None = None,
     redis_url: str | None = None,
     host: str | None = None,
     port: int | None = None,
@@ -494,9 +494,13 @@ def apply_overrides(
         name = next(iter(pools), "default") if pools else "default"
         pools[name] = {**dict(pools.get(name) or {}), "replicas": [{"url": u} for u in upstreams]}
     if long_upstreams:
-        long_pool = dict(pools.get("long") or {"min_worst_case_tokens": 16384})
+        long_pool = dict(pools.get("long") or {"min_worst_case_tokens": LONG_THRESHOLD})
         long_pool["replicas"] = [{"url": u} for u in long_upstreams]
         pools["long"] = long_pool
+    if long_threshold is not None:
+        if "long" not in pools:
+            raise ConfigError(["--long-threshold: there is no long pool (add --long-upstream)"])
+        pools["long"] = {**dict(pools["long"]), "min_worst_case_tokens": long_threshold}
     if pools:
         tree["pools"] = pools
     if redis_url:

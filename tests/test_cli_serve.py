@@ -266,3 +266,30 @@ async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
     assert b"tok2" in rest and rest.endswith(b"data: [DONE]\n\n")
     assert old.finished == 4
     assert await kvgate.stop() == 0
+
+
+def quick(*argv: str) -> Any:
+    import argparse
+
+    from kvgate.commands.serve import add_arguments, config_loader
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_loader(parser.parse_args(list(argv)))()
+
+
+def test_long_threshold_sets_up_two_pools_without_a_file():
+    config = quick("--upstream", "http://a:8000", "--long-upstream", "http://b:8000",
+                   "--long-threshold", "8000")
+    assert config.pools["long"].min_worst_case_tokens == 8000
+    assert [r.url for r in config.pools["long"].replicas] == ["http://b:8000"]
+    assert quick("--upstream", "http://a:8000", "--long-upstream", "http://b:8000").pools[
+        "long"
+    ].min_worst_case_tokens == 16384
+
+
+def test_long_threshold_without_a_long_pool_is_refused():
+    from kvgate.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no long pool"):
+        quick("--upstream", "http://a:8000", "--long-threshold", "8000")

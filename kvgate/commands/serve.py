@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a vLLM replica for the default pool (repeatable)")
     parser.add_argument("--long-upstream", action="append", metavar="URL",
                         help="a replica for the long-context pool (repeatable)")
+    parser.add_argument("--long-threshold", type=int, metavar="TOKENS",
+                        help="worst case (prompt + max_tokens) from which a request goes to the "
+                             "long-context pool (default 16384)")
     parser.add_argument("--redis", metavar="URL", help="share state through this Redis")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
@@ -50,7 +53,8 @@ def config_loader(args: argparse.Namespace) -> Callable[[], Config]:
             raise ConfigError(["give --config FILE or at least one --upstream URL"])
         tree = apply_overrides(
             tree, upstreams=args.upstream if args.config else None,
-            long_upstreams=args.long_upstream, redis_url=args.redis,
+            long_upstreams=args.long_upstream, long_threshold=args.long_threshold,
+            redis_url=args.redis,
             host=args.host, port=args.port,
         )
         return parse_config(tree)

@@ -48,8 +48,8 @@ FILTERS: tuple[Filter, ...] = (routable, serves_model, fits_context, not_failed_
 @dataclass(frozen=True, slots=True)
 class Ranking:
     replicas: list[ReplicaView]  # best first
-    # The session's bound replica when it is among them: admission waits up to
-    # sessions.affinity_wait_s for room there before trying the others.
+    # The replica the session is bound to, when it is still the session's choice: admission
+    # waits up to sessions.affinity_wait_s for room there before trying the others.
     sticky: ReplicaView | None = None
     hold_s: float = 0.0
     # scorer name -> the one replica it scored 1 (the session's, the prefix's), for metrics
@@ -103,8 +103,10 @@ class Router:
             top = [v for v, s in zip(candidates, scores, strict=True) if s >= 1]
             if len(top) == 1:
                 favourites[name] = top[0].id
-                if name == "session":
-                    sticky = top[0]
+        if route.session_key is not None and "session" in favourites:
+            # worth waiting a moment for only where the session's cache already is
+            bound = await self.deps.sessions.bound(route.session_key)
+            sticky = next((v for v in candidates if v.id == bound == favourites["session"]), None)
         order = sorted(
             range(len(candidates)),
             key=lambda i: (-totals[i], candidates[i].load, candidates[i].id),

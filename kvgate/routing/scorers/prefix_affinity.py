@@ -3,10 +3,8 @@ hashing with bounded load (Mirrokni, Thorup and Zadimoghaddam, 2018).
 
 Each prefix orders the candidates by rendezvous hash — the same order on every instance, and
 only the prefixes of a replica that leaves or joins move. The first replica in that order
-whose reserved blocks, with this request's, stay within (1 + load_factor) × its fair share
-(the pool's reserved blocks, this request's included, weighted by capacity) scores 1; a
-replica under `free_below` of its admissible blocks always has room. The rest score 0, as do
-all candidates of a request with no prefix key.
+within its bounded share (`kvgate.routing.bounded`) scores 1; the rest score 0, as do all
+candidates of a request with no prefix key.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 
 from kvgate.config import RoutingConfig
+from kvgate.routing.bounded import within_bound
 from kvgate.routing.fleet import Fleet, ReplicaView
 from kvgate.routing.route import Route
 
@@ -27,20 +26,15 @@ def hash_order(prefix: str, candidates: Sequence[ReplicaView]) -> list[ReplicaVi
 
 
 def preferred(
-    prefix: str, candidates: Sequence[ReplicaView], blocks: int, config: RoutingConfig
+    prefix: str,
+    candidates: Sequence[ReplicaView],
+    blocks: int,
+    load_factor: float,
+    floor: float = 0.0,
 ) -> ReplicaView | None:
-    """The replica the prefix should go to now, if any has room within the bound."""
-    known = [v for v in candidates if v.admissible_blocks]
-    capacity = sum(v.admissible_blocks or 0 for v in known)
-    if not capacity:
-        return None
-    total = sum(v.reserved_blocks for v in known) + blocks
-    bound = config.prefix_affinity
-    for view in hash_order(prefix, known):
-        admissible = view.admissible_blocks or 0
-        fair = total * admissible / capacity
-        after = view.reserved_blocks + blocks
-        if after <= (1 + bound.load_factor) * fair or after <= bound.free_below * admissible:
+    """The replica the prefix should go to now: the first in its order within the bound."""
+    for view in hash_order(prefix, candidates):
+        if within_bound(view, candidates, blocks, load_factor, floor):
             return view
     return None
 
@@ -52,5 +46,7 @@ class PrefixAffinity:
         if route.prefix is None:
             return [0.0] * len(candidates)
         blocks = max((route.demand.blocks_on(v.replica) for v in candidates), default=0)
-        choice = preferred(route.prefix, candidates, blocks, config)
+        choice = preferred(
+            route.prefix, candidates, blocks, config.load_factor, config.load_floor
+        )
         return [1.0 if choice is not None and view.id == choice.id else 0.0 for view in candidates]

@@ -1,0 +1,236 @@
+"""Prefix-cache hit rate of multi-turn chats through kvgate's router, against round robin.
+
+Each chat opens with its own document (a few hundred tokens) under one short shared system
+prompt, then asks `--turns` questions, resending the whole history each turn as chat clients
+do. Simulated replicas (real sockets, in this process) count their own prefix-cache hits; the
+figure is theirs: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the
+fleet, read from each replica's /metrics. Contenders run on fresh replicas, in alternating
+order, `--repeats` times; the ratio is taken within each repeat.
+
+While the chats run, the ledger of every replica is sampled every 10 ms. `over_bound` is the
+most any replica held against its bounded share, max((1 + load_factor) × the pool's reserved
+blocks / replicas): 1.0 is exactly at the bound; a replica may always take one request, so a
+pool holding a few requests can read above it.
+
+    .venv/bin/python bench/affinity.py [--replicas 4] [--chats 64] [--turns 5] [--repeats 3]
+        [--contenders kvgate round_robin least_loaded] [--seed 0] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvgate.app import build_app
+from kvgate.config import parse_config
+from kvgate.replicas import parse_vllm_metrics
+from kvgate.sim.config import SimConfig
+from kvgate.sim.server import SimReplica
+
+# Scorers of each contender; "kvgate" is the shipped default (session, prefix, load).
+CONTENDERS: dict[str, dict[str, float] | None] = {
+    "kvgate": None,
+    "round_robin": {"round_robin": 1.0},
+    "least_loaded": {"least_loaded": 1.0},
+}
+SYSTEM = "You are a careful analyst. Answer from the document; say so when it does not say."
+WORDS = ["latency", "throughput", "replica", "cache", "block", "tenant", "budget", "queue", "prefix", "session", "token", "decode", "prefill", "scheduler", "memory", "fleet", "request", "answer", "stream", "gateway", "ledger"]
+
+
+@dataclass
+class Result:
+    contender: str
+    hit_rate: float
+    hits: float
+    queries: float
+    requests: int
+    failures: int
+    over_bound: float
+    seconds: float
+    per_replica: dict[str, float] = field(default_factory=dict)
+
+
+def document(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def converse(
+    http: aiohttp.ClientSession, url: str, chat: int, turns: int, doc_words: int, seed: int,
+    think_s: float = 0.05,
+) -> tuple[int, int]:
+    """One chat, turn after turn, each resending the history; (requests ok, failures)."""
+    rng = random.Random(seed * 10_007 + chat)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document {chat}:\n{document(rng, doc_words)}\n\nSummarize it."},
+    ]
+    ok = failed = 0
+    for turn in range(turns):
+        await asyncio.sleep(rng.expovariate(1 / think_s))  # the user reads, then types
+        body = {"model": "sim-model", "messages": messages, "max_tokens": 160}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            raw = await resp.read()
+        if resp.status != 200:
+            failed += 1
+            continue
+        ok += 1
+        reply = orjson.loads(raw)["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": f"Question {turn}: what about {rng.choice(WORDS)}?"}]
+    return ok, failed
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def discovered(gateway: Any, replicas: int, timeout_s: float = 20.0) -> None:
+    """Until discovery has found every replica healthy with a known capacity."""
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for r in gateway.registry if r.healthy and r.num_gpu_blocks) < replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError("replicas not discovered in time")
+        await asyncio.sleep(0.02)
+
+
+async def run_once(
+    contender: str, *, replicas: int, chats: int, turns: int, doc_words: int, seed: int,
+    time_scale: float = 0.02, sim: dict[str, Any] | None = None,
+) -> Result:
+    sims = [SimReplica(SimConfig(**{"num_gpu_blocks": 4096, "max_model_len": 8192,
+                                    "time_scale": time_scale, "seed": seed + i,
+                                    "output_len_dist": "uniform", **(sim or {})}))
+            for i in range(replicas)]
+    for s in sims:
+        await s.start()
+    tree: dict[str, Any] = {
+        "pools": {"default": {"replicas": [{"url": s.url, "name": f"r{i}"}
+                                           for i, s in enumerate(sims)]}},
+        "discovery": {"interval_s": 0.2},
+        "admission": {"queue": {"max_wait_s": 60, "wait_budget_s": {"standard": 60}}},
+    }
+    scorers = CONTENDERS[contender]
+    if scorers is not None:
+        tree["routing"] = {"scorers": scorers}
+    app = build_app(parse_config(tree))
+    runner, url = await serve(app)
+    from kvgate.api.routes import GATEWAY
+
+    gateway = app[GATEWAY]
+    try:
+        await discovered(gateway, replicas)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+            before = await scrape(http, sims)
+            started = time.monotonic()
+            samples: list[list[int]] = []
+            work = asyncio.gather(*(converse(http, url, c, turns, doc_words, seed)
+                                    for c in range(chats)))
+            task = asyncio.ensure_future(work)
+            while not task.done():
+                samples.append([gateway.admission.reserved.get(f"r{i}", 0)
+                                for i in range(replicas)])
+                await asyncio.sleep(0.01)
+            config = gateway.runtime.config
+            admissible = [v.admissible_blocks or 0 for v in gateway.fleet()]
+            outcomes = task.result()
+            seconds = time.monotonic() - started
+            after = await scrape(http, sims)
+    finally:
+        await runner.cleanup()
+        for s in sims:
+            await s.stop()
+    hits = {k: after[k][0] - before[k][0] for k in after}
+    queries = {k: after[k][1] - before[k][1] for k in after}
+    total_hits, total_queries = sum(hits.values()), sum(queries.values())
+    return Result(
+        contender, total_hits / total_queries if total_queries else 0.0, total_hits,
+        total_queries, sum(o for o, _ in outcomes), sum(f for _, f in outcomes),
+        over_bound(samples, admissible, config.routing.load_factor), seconds,
+        {k: round(hits[k] / queries[k], 3) if queries[k] else 0.0 for k in hits},
+    )
+
+
+def over_bound(samples: list[list[int]], admissible: list[int], load_factor: float) -> float:
+    """The most any replica held, in any sample, against its bounded share (replicas of equal
+    capacity here)."""
+    worst = 0.0
+    for reserved in samples:
+        share = (1 + load_factor) * sum(reserved) / len(reserved)
+        worst = max(worst, max(reserved) / max(share, 1.0))
+    return worst
+
+
+async def scrape(http: aiohttp.ClientSession, sims: list[SimReplica]) -> dict[str, tuple[float, float]]:
+    """Each replica's own (prefix_cache_hits, prefix_cache_queries) from its /metrics."""
+    out = {}
+    for s in sims:
+        async with http.get(f"{s.url}/metrics") as resp:
+            parsed = parse_vllm_metrics(await resp.text(), time.monotonic())
+        out[s.url] = (parsed.prefix_hits or 0.0, parsed.prefix_queries or 0.0)
+    return out
+
+
+async def main(args: argparse.Namespace) -> list[Result]:
+    results: list[Result] = []
+    for repeat in range(args.repeats):
+        order = args.contenders if repeat % 2 == 0 else list(reversed(args.contenders))
+        for contender in order:
+            result = await run_once(contender, replicas=args.replicas, chats=args.chats,
+                                    turns=args.turns, doc_words=args.doc_words,
+                                    seed=args.seed + repeat)
+            results.append(result)
+            print(f"repeat {repeat} {contender:>13}: hit rate {result.hit_rate:.3f}  "
+                  f"over bound {result.over_bound:.2f}  ok {result.requests}  "
+                  f"failed {result.failures}  {result.seconds:.1f}s", flush=True)
+    return results
+
+
+def summary(results: list[Result], contenders: list[str]) -> str:
+    lines = ["| contender | hit rate (median) | × round robin (median of per-repeat ratios) "
+             "| most held vs bounded share | failures |", "|---|---|---|---|---|"]
+    repeats = max(1, len(results) // max(1, len(contenders)))
+    by = {c: [r for r in results if r.contender == c] for c in contenders}
+    for c in contenders:
+        rows = by[c]
+        ratios = [r.hit_rate / b.hit_rate for r, b in zip(rows, by.get("round_robin", []), strict=False)
+                  if b.hit_rate]
+        ratio = f"{statistics.median(ratios):.2f}×" if ratios else "—"
+        lines.append(f"| {c} | {statistics.median(r.hit_rate for r in rows):.3f} | {ratio} | "
+                     f"{max(r.over_bound for r in rows):.2f} | {sum(r.failures for r in rows)} |")
+    lines.append(f"\n{repeats} repeat(s).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--chats", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--doc-words", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    parser.add_argument("--json", type=Path)
+    arguments = parser.parse_args()
+    found = asyncio.run(main(arguments))
+    print(summary(found, arguments.contenders))
+    if arguments.json:
+        arguments.json.write_bytes(orjson.dumps([r.__dict__ for r in found], option=orjson.OPT_INDENT_2))

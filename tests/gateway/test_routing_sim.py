@@ -1,0 +1,237 @@
+"""Routing in front of simulated replicas on real sockets: bounded load for a dominant system
+prompt, failover when a replica dies or answers 500s, drain, and session bindings shared
+through Redis by two instances and kept across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from kvgate.routing.sessions import Sessions
+from kvgate.sim.faults import Faults
+from kvgate.state.redis import RedisStore
+from tests.plugins.gateway import RunningGateway, gateway_config, wait_settled
+
+SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.02, output_len_dist="max")
+SYSTEM = {"role": "system", "content": "You are the support assistant of a bicycle shop."}
+
+
+def chat(text: str, max_tokens: int = 16) -> dict[str, Any]:
+    return {"model": "sim-model", "max_tokens": max_tokens,
+            "messages": [SYSTEM, {"role": "user", "content": text}]}
+
+
+async def post(
+    http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any], session: str | None = None
+) -> tuple[int, str | None]:
+    headers = {"X-Session-Id": session} if session else {}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get("X-Kvgate-Replica")
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def exported(gw: RunningGateway, line: str) -> None:
+    """Until /metrics has `line` (gauges are refreshed once a second)."""
+    await until(lambda: line in gw.gateway.metrics.render().decode(), timeout_s=5.0)
+
+
+def names(sims: list[Any]) -> list[dict[str, str]]:
+    return [{"url": s.url, "name": f"r{i}"} for i, s in enumerate(sims)]
+
+
+async def test_one_dominant_system_prompt_spreads_within_the_bounded_load(
+    sim_factory, gateway_factory
+):
+    sims = [await sim_factory(**{**SIM, "time_scale": 0.2}, seed=i) for i in range(4)]
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": names(sims)}},
+        routing={"scorers": {"prefix_affinity": 1}, "load_floor": 0.0},
+        admission={"mode": "worst_case", "queue": {"max_wait_s": 60,
+                                                   "wait_budget_s": {"standard": 60}}},
+    ))
+    admission = gw.gateway.admission
+    samples: list[list[int]] = []
+    async with aiohttp.ClientSession() as http:
+        tasks = [asyncio.create_task(post(http, gw, chat(f"question {i}", 200))) for i in range(48)]
+        while not all(t.done() for t in tasks):
+            samples.append([admission.reserved.get(f"r{i}", 0) for i in range(4)])
+            await asyncio.sleep(0.005)
+        results = [t.result() for t in tasks]
+    assert all(status == 200 for status, _ in results)
+    used = {replica for _, replica in results}
+    assert used == {"r0", "r1", "r2", "r3"}  # one prefix, yet every replica took a share
+    # at the peak, when all 48 were placed at once, no replica held more than 1.25 × a fair
+    # quarter (plus one request: the grain a placement moves in)
+    request_blocks = -(-(40 + 200) // 16)  # about: the system prompt, a question, max_tokens
+    peak_total = max(sum(reserved) for reserved in samples)
+    peaks = [max(reserved[i] for reserved in samples) for i in range(4)]
+    assert max(peaks) <= 1.25 * peak_total / 4 + request_blocks, (peaks, peak_total)
+    await wait_settled(gw)
+
+
+async def test_a_killed_replica_costs_no_request_that_had_not_begun_streaming(
+    sim_factory, gateway_factory
+):
+    sims = [await sim_factory(**{**SIM, "time_scale": 0.05}, seed=i) for i in range(3)]
+    gw = await gateway_factory(gateway_config([], pools={"default": {"replicas": names(sims)}}))
+    failures_before_any_byte = []
+    cut_mid_stream = 0
+    ok = 0
+
+    async def turn(http: aiohttp.ClientSession, session: str, i: int) -> None:
+        nonlocal cut_mid_stream, ok
+        body = {**chat(f"{session} turn {i}", 48), "stream": True}
+        received = b""
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body,
+                             headers={"X-Session-Id": session}) as resp:
+            if resp.status != 200:
+                failures_before_any_byte.append(resp.status)
+                return
+            async for chunk in resp.content.iter_any():
+                received += chunk
+        if received.endswith(b"data: [DONE]\n\n") and b'"error"' not in received:
+            ok += 1
+        else:
+            cut_mid_stream += 1  # it had begun streaming: kvgate may not retry it
+
+    async def conversation(http: aiohttp.ClientSession, session: str) -> None:
+        for i in range(6):
+            await turn(http, session, i)
+
+    async with aiohttp.ClientSession() as http:
+        chats = [asyncio.create_task(conversation(http, f"chat-{c}")) for c in range(12)]
+        await until(lambda: ok >= 12)
+        await sims[0].stop_for(None)  # killed: connections refused, streams cut
+        await asyncio.gather(*chats)
+    assert failures_before_any_byte == []
+    assert ok + cut_mid_stream == 72 and ok >= 60
+    text = gw.gateway.metrics.render().decode()
+    assert 'kvgate_session_routes_total{reason="bound",result="hit"}' in text
+    rebound = [line for line in text.splitlines()
+               if line.startswith("kvgate_session_routes_total") and 'result="rebound"' in line]
+    assert rebound, "the killed replica's sessions were rebound"
+    await wait_settled(gw)
+
+
+async def test_a_replica_answering_500s_is_ejected_then_readmitted_after_a_trial(
+    sim_factory, gateway_factory
+):
+    bad, good = await sim_factory(**SIM, seed=1), await sim_factory(**SIM, seed=2)
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": names([bad, good])}},
+        routing={"scorers": {"round_robin": 1}, "circuit": {"failure_threshold": 2,
+                                                            "open_s": 1.5}},
+    ))
+    await bad.set_faults(Faults(error_rate=1.0))
+    async with aiohttp.ClientSession() as http:
+        served = [await post(http, gw, chat(f"q{i}")) for i in range(6)]
+        # every request answered: the ones sent to r0 went once more, to r1
+        assert served == [(200, "r1")] * 6
+        assert gw.gateway.breakers.state("r0") == "open"
+        async with http.get(f"{gw.url}/admin/replicas") as resp:
+            view = {r["id"]: r for r in orjson.loads(await resp.read())["replicas"]}
+        assert view["r0"]["circuit"] == "open"
+        await exported(gw, 'kvgate_replica_circuit_state{replica="r0"} 2.0')
+        text = gw.gateway.metrics.render().decode()
+        assert 'kvgate_upstream_retries_total{pool="default",reason="upstream_error"} 2.0' in text
+        await bad.set_faults(Faults())
+        # after open_s, the next request r0 gets is the trial
+        await until(lambda: gw.gateway.breakers.state("r0") == "half_open")
+        later = [await post(http, gw, chat(f"later {i}")) for i in range(4)]
+    assert all(status == 200 for status, _ in later)
+    assert "r0" in {replica for _, replica in later}
+    assert gw.gateway.breakers.state("r0") == "closed"
+    await wait_settled(gw)
+
+
+async def test_a_stream_cut_after_it_began_is_not_retried(sim_factory, gateway_factory):
+    sim = await sim_factory(**SIM, faults={"drop_after_chunks": 2})
+    other = await sim_factory(**SIM, seed=3)
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": names([sim, other])}},
+        routing={"scorers": {"round_robin": 1}},
+    ))
+    async with aiohttp.ClientSession() as http:
+        for i in range(2):  # one of the two goes to the dropping replica
+            body = {**chat(f"q{i}", 16), "stream": True}
+            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            if resp.headers["X-Kvgate-Replica"] == "r0":
+                assert b'"error"' in raw  # told in-band; never sent twice
+    assert "kvgate_upstream_retries_total{" not in gw.gateway.metrics.render().decode()
+    await wait_settled(gw)
+
+
+async def test_drain_takes_no_new_requests_lets_in_flight_ones_finish_and_rebinds_sessions(
+    sim_factory, gateway_factory
+):
+    sims = [await sim_factory(**{**SIM, "time_scale": 0.05}, seed=i) for i in range(2)]
+    gw = await gateway_factory(gateway_config([], pools={"default": {"replicas": names(sims)}}))
+    async with aiohttp.ClientSession() as http:
+        status, home = await post(http, gw, chat("first"), session="s1")
+        assert status == 200 and home is not None
+        slow = asyncio.create_task(post(http, gw, chat("long answer", 300), session="s1"))
+        await until(lambda: gw.gateway.registry.get(home).inflight)
+        async with http.post(f"{gw.url}/admin/replicas/{home}/drain") as resp:
+            assert resp.status == 200 and (await resp.json())["draining"] is True
+        after = [await post(http, gw, chat(f"next {i}"), session="s1") for i in range(3)]
+        assert all(status == 200 and replica != home for status, replica in after)
+        assert await slow == (200, home)  # in flight when the drain began: it finished there
+        text = gw.gateway.metrics.render().decode()
+        assert 'kvgate_session_routes_total{reason="draining",result="rebound"} 1.0' in text
+        await exported(gw, f'kvgate_replica_draining{{replica="{home}"}} 1.0')
+        async with http.post(f"{gw.url}/admin/replicas/{home}/undrain") as resp:
+            assert (await resp.json())["draining"] is False
+        async with http.post(f"{gw.url}/admin/replicas/nope/drain") as resp:
+            assert resp.status == 404
+    await wait_settled(gw)
+
+
+@pytest.fixture
+async def shared_redis(redis_url: str, key_prefix: str) -> dict[str, Any]:
+    return {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix}
+
+
+async def test_bindings_are_shared_by_two_instances_and_survive_a_restart(
+    sim_factory, gateway_factory, shared_redis, redis_url, key_prefix
+):
+    sims = [await sim_factory(**SIM, seed=i) for i in range(3)]
+
+    def config() -> Any:
+        return gateway_config([], pools={"default": {"replicas": names(sims)}},
+                              state=shared_redis,
+                              routing={"scorers": {"session": 4, "round_robin": 1}})
+
+    first, second = await gateway_factory(config()), await gateway_factory(config())
+    async with aiohttp.ClientSession() as http:
+        _, home = await post(http, first, chat("hello"), session="shared-chat")
+        served = [await post(http, second, chat(f"turn {i}"), session="shared-chat")
+                  for i in range(4)]
+        assert served == [(200, home)] * 4
+        # round robin alone would have spread those: other sessions do spread
+        spread = {replica for _, replica in
+                  [await post(http, second, chat("x"), session=f"other-{i}") for i in range(6)]}
+        assert len(spread) > 1
+        await first.runner.cleanup()
+        await second.runner.cleanup()
+        restarted = await gateway_factory(config())
+        assert await post(http, restarted, chat("back"), session="shared-chat") == (200, home)
+    store = RedisStore(redis_url, key_prefix=key_prefix)
+    try:
+        assert await store.lookup(Sessions.store_key("h:shared-chat")) == home
+    finally:
+        await store.close()

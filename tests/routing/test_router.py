@@ -1,0 +1,116 @@
+"""The router on hand-made fleet snapshots: filters, the weighted sum, the picker, pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.config import ConfigError, RoutingConfig
+from kvgate.errors import NoReplica
+from kvgate.metrics import Metrics
+from kvgate.routing.router import FILTERS, Router, fits_context, not_failed_before, routable
+from kvgate.routing.scorers import Deps
+from kvgate.routing.sessions import Sessions
+from kvgate.state.memory import MemoryStore
+from tests.routing.fleets import fleet, replica, route
+
+
+def router(config: RoutingConfig, store: MemoryStore | None = None) -> Router:
+    return Router(Deps(Sessions(store or MemoryStore(), Metrics())), config)
+
+
+def test_routable_excludes_unhealthy_draining_and_circuit_open_replicas():
+    f = fleet(replica("ok"), replica("sick", healthy=False), replica("drained", drain=True),
+              replica("ejected"), replica("trial"),
+              circuits={"ejected": "open", "trial": "half_open"})
+    assert [v.id for v in f if routable(route(), v)] == ["ok", "trial"]
+
+
+def test_fits_context_excludes_replicas_whose_context_is_too_short():
+    f = fleet(replica("short", max_model_len=1000), replica("long", max_model_len=100_000))
+    assert [v.id for v in f if fits_context(route(tokens=5000), v)] == ["long"]
+
+
+def test_a_retried_request_skips_the_replica_that_failed_it():
+    f = fleet(replica("a"), replica("b"))
+    assert [v.id for v in f if not_failed_before(route(exclude=frozenset({"a"})), v)] == ["b"]
+
+
+async def test_rank_applies_every_filter_then_orders_by_weighted_score():
+    config = RoutingConfig(scorers={"least_loaded": 1})
+    f = fleet(replica("busy"), replica("idle"), replica("other-model", model="x"),
+              replica("sick", healthy=False), reserved={"busy": 900})
+    ranking = await router(config).rank(route(), f, config)
+    assert [v.id for v in ranking.replicas] == ["idle", "busy"]
+    assert ranking.sticky is None
+    assert len(FILTERS) == 4
+
+
+async def test_a_bound_session_outweighs_load_and_is_held_for_its_affinity_wait():
+    store = MemoryStore()
+    await store.bind(Sessions.store_key("chat-1"), "busy", 60)
+    config = RoutingConfig()
+    # busier, but within 1.25 × its half of the 510 blocks the pool would hold
+    f = fleet(replica("busy"), replica("idle"), reserved={"busy": 300, "idle": 200})
+    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    assert [v.id for v in ranking.replicas] == ["busy", "idle"]
+    assert ranking.sticky is not None and ranking.sticky.id == "busy"
+    assert ranking.hold_s == config.sessions.affinity_wait_s
+    assert ranking.favourites["session"] == "busy"
+
+
+async def test_a_session_whose_replica_is_over_its_bounded_share_goes_elsewhere():
+    store = MemoryStore()
+    await store.bind(Sessions.store_key("chat-1"), "hot", 60)
+    config = RoutingConfig()
+    f = fleet(replica("hot"), replica("cool"), reserved={"hot": 700, "cool": 100})
+    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    assert [v.id for v in ranking.replicas] == ["cool", "hot"]
+    assert ranking.sticky is None and ranking.hold_s == 0
+
+
+async def test_a_session_bound_to_a_drained_replica_goes_elsewhere():
+    store = MemoryStore()
+    await store.bind(Sessions.store_key("chat-1"), "old", 60)
+    config = RoutingConfig()
+    f = fleet(replica("old", drain=True), replica("new"))
+    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    assert [v.id for v in ranking.replicas] == ["new"]
+    assert ranking.sticky is None
+
+
+async def test_round_robin_alone_takes_turns():
+    config = RoutingConfig(scorers={"round_robin": 1})
+    r = router(config)
+    f = fleet(replica("a"), replica("b"))
+    firsts = [(await r.rank(route(), f, config)).replicas[0].id for _ in range(4)]
+    assert firsts == ["a", "b", "a", "b"]
+
+
+async def test_no_candidate_is_an_empty_ranking_not_an_error():
+    config = RoutingConfig()
+    f = fleet(replica("sick", healthy=False))
+    assert (await router(config).rank(route(), f, config)).replicas == []
+
+
+def test_pool_follows_the_overflow_chain_to_one_with_a_routable_replica():
+    f = fleet(replica("l", pool="long", healthy=False), replica("d", pool="default"))
+    assert Router.pool("m", ["long", "default"], f) == "default"
+    with pytest.raises(NoReplica):
+        Router.pool("m", ["long"], f)
+    with pytest.raises(NoReplica):
+        Router.pool("unknown-model", ["long", "default"], f)
+
+
+def test_an_unknown_scorer_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match=r"routing\.scorers\.nearest"):
+        router(RoutingConfig(scorers={"nearest": 1}))
+
+
+async def test_a_reload_keeps_the_state_of_scorers_that_stay():
+    config = RoutingConfig(scorers={"round_robin": 1})
+    r = router(config)
+    f = fleet(replica("a"), replica("b"))
+    assert (await r.rank(route(), f, config)).replicas[0].id == "a"
+    both = RoutingConfig(scorers={"round_robin": 1, "least_loaded": 0.01})
+    r.configure(both)
+    assert (await r.rank(route(), f, both)).replicas[0].id == "b"
