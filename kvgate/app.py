@@ -163,13 +163,20 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                 p95 = gateway.admission.p95_worst_case(replica.pool)
                 if p95:
                     m.headroom.labels(*labels).set(max(0, (admissible - reserved) // p95))
+            age = now - replica.scrape.at if replica.scrape is not None else math.inf
+            m.scrape_age.labels(replica.id).set(age)
             scrape = replica.fresh_scrape(config.discovery.stale_after_s, now)
             usage = scrape.kv_usage if scrape and scrape.kv_usage is not None else math.nan
             m.vllm_kv_usage.labels(replica.id).set(usage)
             if scrape is not None:
                 m.vllm_waiting.labels(replica.id).set(scrape.waiting or 0)
                 m.vllm_running.labels(replica.id).set(scrape.running or 0)
-                m.vllm_preemptions.labels(replica.id).set(scrape.preemptions or 0)
+                for counter, figure in (
+                    (m.vllm_preemptions, scrape.preemptions),
+                    (m.vllm_prefix_queried, scrape.prefix_queries),
+                    (m.vllm_prefix_hit, scrape.prefix_hits),
+                ):
+                    m.mirror(counter, (replica.id,), figure or 0)
                 if total and scrape.kv_usage is not None:
                     m.ledger_divergence.labels(replica.id).set(scrape.kv_usage - written / total)
         _store_gauges(gateway)
@@ -180,8 +187,10 @@ def _store_gauges(gateway: Gateway) -> None:
     store, m = gateway.store, gateway.metrics
     backend = store.backend
     m.store_up.labels(backend).set(1 if getattr(store, "up", True) else 0)
-    for gauge, attribute in (
-        (m.store_latency, "last_latency_s"),
+    latency = getattr(store, "last_latency_s", None)
+    if isinstance(latency, int | float):
+        m.store_latency.labels(backend).set(latency)
+    for counter, attribute in (
         (m.store_errors, "errors"),
         (m.store_fallback_calls, "fallback_calls"),
         (m.store_outage_seconds, "outage_seconds"),
@@ -189,7 +198,7 @@ def _store_gauges(gateway: Gateway) -> None:
     ):
         value = getattr(store, attribute, None)
         if isinstance(value, int | float):
-            gauge.labels(backend).set(value)
+            m.mirror(counter, (backend,), value)
 
 
 def reload(app: web.Application, load: Callable[[], Config]) -> bool:

@@ -231,7 +231,7 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
         '"content": "hi"}])',
         "",
         "Look at:",
-        f"  {url}/metrics          kvgate's metrics (kvgate_replica_blocks_reserved, ...)",
+        f"  {url}/metrics          kvgate's metrics (kvgate_replica_reserved_blocks, ...)",
         f"  {url}/admin/replicas   each replica: blocks total / reserved / written, vLLM's view",
         f"  {fleet['normal-a'].url}/metrics   a replica's own vLLM metrics",
         "Tenants: api_key \"vip\" (critical), \"chat-app\", \"batch\" (sheddable), \"demo\" "
