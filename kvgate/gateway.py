@@ -62,6 +62,10 @@ class RequestInfo:
     prompt_tokens: int | None = None  # kvgate's estimate of vLLM's count
     reserved_blocks: int | None = None
     charged_tokens: int | None = None  # what the tenant paid in the end
+    max_tokens: int | None = None  # per sequence, as bounded
+    worst_case_blocks: int | None = None
+    queue_wait_s: float | None = None  # time waiting for KV capacity, when admitted
+    ttft_s: float | None = None  # arrival to the first streamed token
 
 
 @dataclass(slots=True)
@@ -102,7 +106,7 @@ class Gateway:
             parsed, count, terms, tenant, model,
             model.max_model_len or max_model_len(parsed.model, candidates),
         )
-        info.prompt_tokens = bound.prompt_tokens
+        info.prompt_tokens, info.max_tokens = bound.prompt_tokens, bound.max_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
 
         # charge the tenant, admit on a replica's ledger, forward; settle on every ending
@@ -112,6 +116,7 @@ class Gateway:
             try:
                 async with self.admission.admit(demand, candidates) as slot:
                     info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
+                    info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
                     slot.progress = lambda: bound.prompt_tokens + processed_tokens(
                         parsed, bound, outcome
                     )
@@ -273,9 +278,8 @@ class Gateway:
     ) -> None:
         now = time.monotonic()
         if outcome.first_token_at is not None:
-            self.metrics.ttft.labels(info.pool, info.model).observe(
-                outcome.first_token_at - info.started
-            )
+            info.ttft_s = outcome.first_token_at - info.started
+            self.metrics.ttft.labels(info.pool, info.model).observe(info.ttft_s)
         if outcome.usage is not None and outcome.sent_at is not None:
             # one sequence's pace here: from the first token for streams, from sending for
             # whole answers (which then includes the prefill: a slightly low rate)
