@@ -63,3 +63,20 @@ def test_each_alert_is_tiered_and_the_seed_incidents_are_unit_tested():
         if case.get("exp_alerts")
     }
     assert tested == {r["alert"] for r in rules}  # every alert is shown to fire somewhere
+
+
+def test_the_compose_prometheus_config_loads_the_rules():
+    result = subprocess.run(
+        [promtool(), "check", "config", "prometheus.yml"], cwd=RULES.parent,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+def test_compose_provisions_prometheus_and_grafana_from_files_that_exist():
+    deploy = RULES.parents[1]
+    services = yaml.safe_load((deploy / "docker-compose.sim.yaml").read_text())["services"]
+    mounts = [v.split(":")[0] for name in ("prometheus", "grafana") for v in services[name]["volumes"]]
+    assert {"./prometheus/kvgate-rules.yml", "./grafana/kvgate.json"} <= set(mounts)
+    assert all((deploy / m).exists() for m in mounts)
