@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -25,7 +26,7 @@ from kvgate.demand import Demand, Slot
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
-from kvgate.replicas import Registry, Replica
+from kvgate.replicas import Registry, Replica, Writing
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
 from kvgate.routing.policies import LeastLoaded, RoutingPolicy
 from kvgate.routing.pools import choose_pool, overflow_chain
@@ -117,10 +118,11 @@ class Gateway:
                 async with self.admission.admit(demand, candidates) as slot:
                     info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
                     info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
-                    slot.progress = lambda: bound.prompt_tokens + processed_tokens(
-                        parsed, bound, outcome
+                    slot.progress = written_tokens(parsed, bound, outcome, slot.replica)
+                    writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
+                    return await self.forward(
+                        request, rt, parsed, bound, slot, charge, outcome, writing
                     )
-                    return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
             finally:
                 await self.settle(charge, parsed, count, bound, outcome, info)
 
@@ -186,12 +188,12 @@ class Gateway:
         slot: Slot,
         charge: Charge,
         outcome: Outcome,
+        writing: Writing,
     ) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
         replica = slot.replica
         outcome.token_rate = replica.token_rate
-        if slot.progress is not None:
-            replica.inflight[info.key] = slot.progress
+        replica.inflight[info.key] = writing
         headers = {
             **charge.headers,
             "X-Request-Id": info.request_id,
@@ -335,6 +337,25 @@ def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> i
         return bound.max_tokens * sequences
     elapsed = time.monotonic() - outcome.sent_at
     return min(bound.max_tokens, math.ceil(outcome.token_rate * elapsed)) * sequences
+
+
+def written_tokens(
+    parsed: ParsedRequest, bound: Bound, outcome: Outcome, replica: Replica
+) -> Callable[[], int]:
+    """What a request about to be sent to `replica` will have written there at any moment
+    (prompt + output, all sequences): for a stream, the tokens relayed; for a whole answer,
+    what the replica's decode clock advanced since it was sent, within max_tokens (until the
+    clock runs, the estimate the charge uses)."""
+    start = replica.decode_clock.now()
+
+    def written() -> int:
+        now = replica.decode_clock.now()
+        if parsed.stream or outcome.sent_at is None or start is None or now is None:
+            return bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
+        output = min(bound.max_tokens, math.ceil(now - start))
+        return bound.prompt_tokens + output * bound.prompts * parsed.sequences
+
+    return written
 
 
 def max_model_len(model: str, candidates: list[Replica]) -> int | None:
