@@ -172,12 +172,20 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                 m.blocks_admissible.labels(*labels).set(admissible)
                 if view.headroom_requests is not None:
                     m.headroom.labels(*labels).set(view.headroom_requests)
+            age = view.scrape_age_s if view.scrape_age_s is not None else math.inf
+            m.scrape_age.labels(view.id).set(age)
             usage = view.kv_usage if view.kv_usage is not None else math.nan
             m.vllm_kv_usage.labels(view.id).set(usage)
-            if view.scraped:
+            scrape = view.replica.scrape
+            if view.scraped and scrape is not None:
                 m.vllm_waiting.labels(view.id).set(view.waiting or 0)
                 m.vllm_running.labels(view.id).set(view.running or 0)
-                m.vllm_preemptions.labels(view.id).set(view.preemptions or 0)
+                for counter, figure in (
+                    (m.vllm_preemptions, scrape.preemptions),
+                    (m.vllm_prefix_queried, scrape.prefix_queries),
+                    (m.vllm_prefix_hit, scrape.prefix_hits),
+                ):
+                    m.mirror(counter, (view.id,), figure or 0)
                 if total and view.kv_usage is not None:
                     m.ledger_divergence.labels(view.id).set(
                         view.kv_usage - view.written_blocks / total
@@ -190,8 +198,10 @@ def _store_gauges(gateway: Gateway) -> None:
     store, m = gateway.store, gateway.metrics
     backend = store.backend
     m.store_up.labels(backend).set(1 if getattr(store, "up", True) else 0)
-    for gauge, attribute in (
-        (m.store_latency, "last_latency_s"),
+    latency = getattr(store, "last_latency_s", None)
+    if isinstance(latency, int | float):
+        m.store_latency.labels(backend).set(latency)
+    for counter, attribute in (
         (m.store_errors, "errors"),
         (m.store_fallback_calls, "fallback_calls"),
         (m.store_outage_seconds, "outage_seconds"),
@@ -199,7 +209,7 @@ def _store_gauges(gateway: Gateway) -> None:
     ):
         value = getattr(store, attribute, None)
         if isinstance(value, int | float):
-            gauge.labels(backend).set(value)
+            m.mirror(counter, (backend,), value)
 
 
 def reload(app: web.Application, load: Callable[[], Config]) -> bool:

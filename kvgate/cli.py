@@ -1,4 +1,4 @@
-"""`kvgate serve | check-config | sim | demo | plan`: one sub-command per module."""
+"""`kvgate serve | check-config | sim | demo | plan | top`: one sub-command per module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ COMMANDS = {
     "sim": ("kvgate.sim.cli", "run simulated vLLM replicas"),
     "demo": ("kvgate.commands.demo", "run a simulated fleet with kvgate in front"),
     "plan": ("kvgate.plan", "KV-cache capacity plan for a model and GPU"),
+    "top": ("kvgate.commands.top", "a live terminal view of a running kvgate"),
 }
 
 

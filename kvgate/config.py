@@ -56,9 +56,8 @@ class ServerConfig(_Model):
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
     drain_s: float = Field(30.0, ge=0)
-    # One JSON line per API request on the `kvgate.access` logger: request id, tenant, model,
-    # pool, replica, status, outcome, prompt tokens, reserved blocks, charged tokens, duration
-    # (kvgate_requests_total and the metrics already count every request).
+    # One JSON line per API request on the `kvgate.access` logger (fields and cost: see
+    # config/kvgate.yaml and kvgate.api.routes.access_line; the metrics count every request).
     access_log: bool = False
     # X-Kvgate-Prompt-Tokens (kvgate's estimate of vLLM's count) and X-Kvgate-Reserved-Blocks
     # on every forwarded response, to compare with the usage vLLM reports.

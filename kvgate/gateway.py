@@ -38,7 +38,7 @@ from kvgate.errors import (
 )
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
-from kvgate.replicas import Registry
+from kvgate.replicas import Registry, Replica, Writing
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
 from kvgate.routing.fleet import Fleet
 from kvgate.routing.health import Breakers
@@ -77,6 +77,10 @@ class RequestInfo:
     prompt_tokens: int | None = None  # kvgate's estimate of vLLM's count
     reserved_blocks: int | None = None
     charged_tokens: int | None = None  # what the tenant paid in the end
+    max_tokens: int | None = None  # per sequence, as bounded
+    worst_case_blocks: int | None = None
+    queue_wait_s: float | None = None  # time waiting for KV capacity, when admitted
+    ttft_s: float | None = None  # arrival to the first streamed token
 
 
 @dataclass(slots=True)
@@ -122,7 +126,7 @@ class Gateway:
             parsed, count, terms, tenant, model,
             model.max_model_len or max_model_len(parsed.model, fleet, info.pool),
         )
-        info.prompt_tokens = bound.prompt_tokens
+        info.prompt_tokens, info.max_tokens = bound.prompt_tokens, bound.max_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
         route = Route(
             demand, session_key(parsed, request.headers, rt.config.routing.sessions),
@@ -159,9 +163,14 @@ class Gateway:
             try:
                 async with self.admission.admit(route.demand, self.ranker(route, rt, ranked)) as slot:
                     info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
+                    info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
                     await self.routed(route, rt, slot, ranked)
-                    slot.progress = written_so_far(parsed, bound, outcome)
-                    return await self.forward(request, rt, parsed, bound, slot, charge, outcome)
+                    slot.progress = written_tokens(parsed, bound, outcome, slot.replica)
+                    demand = route.demand
+                    writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
+                    return await self.forward(
+                        request, rt, parsed, bound, slot, charge, outcome, writing
+                    )
             except (NoReplica, NeverFits):
                 if failed is not None:  # nowhere else to go: the replica's own failure stands
                     raise failed from None
@@ -264,12 +273,12 @@ class Gateway:
         slot: Slot,
         charge: Charge,
         outcome: Outcome,
+        writing: Writing,
     ) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
         replica = slot.replica
         outcome.token_rate = replica.token_rate
-        if slot.progress is not None:
-            replica.inflight[info.key] = slot.progress
+        replica.inflight[info.key] = writing
         headers = {
             **charge.headers,
             "X-Request-Id": info.request_id,
@@ -358,9 +367,8 @@ class Gateway:
     ) -> None:
         now = time.monotonic()
         if outcome.first_token_at is not None:
-            self.metrics.ttft.labels(info.pool, info.model).observe(
-                outcome.first_token_at - info.started
-            )
+            info.ttft_s = outcome.first_token_at - info.started
+            self.metrics.ttft.labels(info.pool, info.model).observe(info.ttft_s)
         if outcome.usage is not None and outcome.sent_at is not None:
             # one sequence's pace here: from the first token for streams, from sending for
             # whole answers (which then includes the prefill: a slightly low rate)
@@ -390,11 +398,6 @@ def fit_name(parsed: ParsedRequest, count: PromptCount) -> str:
     with the model's own template (their features mean something else)."""
     name = parsed.endpoint.name.lower()
     return f"{name}+template" if count.templated else name
-
-
-def written_so_far(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> Callable[[], int]:
-    """Tokens the request has written on its replica so far: the prompt and the answer."""
-    return lambda: bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
 
 
 def replica_failed(outcome: Outcome) -> bool | None:
@@ -441,6 +444,25 @@ def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> i
         return bound.max_tokens * sequences
     elapsed = time.monotonic() - outcome.sent_at
     return min(bound.max_tokens, math.ceil(outcome.token_rate * elapsed)) * sequences
+
+
+def written_tokens(
+    parsed: ParsedRequest, bound: Bound, outcome: Outcome, replica: Replica
+) -> Callable[[], int]:
+    """What a request about to be sent to `replica` will have written there at any moment
+    (prompt + output, all sequences): for a stream, the tokens relayed; for a whole answer,
+    what the replica's decode clock advanced since it was sent, within max_tokens (until the
+    clock runs, the estimate the charge uses)."""
+    start = replica.decode_clock.now()
+
+    def written() -> int:
+        now = replica.decode_clock.now()
+        if parsed.stream or outcome.sent_at is None or start is None or now is None:
+            return bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
+        output = min(bound.max_tokens, math.ceil(now - start))
+        return bound.prompt_tokens + output * bound.prompts * parsed.sequences
+
+    return written
 
 
 def max_model_len(model: str, fleet: Fleet, pool: str) -> int | None:

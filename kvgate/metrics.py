@@ -38,20 +38,20 @@ class Metrics:
             ["pool", "replica", "queued"], registry=r,
         )
         self.blocks_total = Gauge(
-            "kvgate_replica_blocks_total", "KV blocks in the replica's pool (num_gpu_blocks).",
+            "kvgate_replica_capacity_blocks", "KV blocks in the replica's pool (num_gpu_blocks).",
             ["replica", "pool"], registry=r,
         )
         self.blocks_reserved = Gauge(
-            "kvgate_replica_blocks_reserved", "Blocks reserved for in-flight requests' worst "
-            "case, by every kvgate instance sharing the ledger.", ["replica", "pool"], registry=r,
+            "kvgate_replica_reserved_blocks", "Blocks reserved for in-flight requests' worst "
+            "case, by every kvgate instance sharing the ledger (the same on each instance).", ["replica", "pool"], registry=r,
         )
         self.blocks_written = Gauge(
-            "kvgate_replica_blocks_written", "Blocks holding tokens already computed (prompt + "
-            "generated so far) for this instance's in-flight requests.", ["replica", "pool"],
+            "kvgate_replica_written_blocks", "Blocks holding tokens already computed (prompt + "
+            "generated so far) for THIS instance's in-flight requests: sum over instances.", ["replica", "pool"],
             registry=r,
         )
         self.blocks_admissible = Gauge(
-            "kvgate_replica_blocks_admissible", "Ledger limit: target_utilization × blocks.",
+            "kvgate_replica_admissible_blocks", "Ledger limit: target_utilization × blocks.",
             ["replica", "pool"], registry=r,
         )
         self.vllm_kv_usage = Gauge(
@@ -59,21 +59,36 @@ class Metrics:
             "(NaN when stale).", ["replica"], registry=r,
         )
         self.vllm_waiting = Gauge(
-            "kvgate_replica_vllm_waiting", "vLLM's num_requests_waiting, as scraped.",
+            "kvgate_replica_vllm_waiting_requests", "vLLM's num_requests_waiting, as scraped.",
             ["replica"], registry=r,
         )
         self.vllm_running = Gauge(
-            "kvgate_replica_vllm_running", "vLLM's num_requests_running, as scraped.",
+            "kvgate_replica_vllm_running_requests", "vLLM's num_requests_running, as scraped.",
             ["replica"], registry=r,
         )
-        self.vllm_preemptions = Gauge(
-            "kvgate_replica_vllm_preemptions", "vLLM's num_preemptions_total, as scraped.",
-            ["replica"], registry=r,
+        self.vllm_preemptions = Counter(
+            "kvgate_replica_vllm_preemptions", "vLLM's num_preemptions_total, as scraped "
+            "(mirrored: a replica restart counts on from zero).", ["replica"], registry=r,
+        )
+        self.vllm_prefix_queried = Counter(
+            "kvgate_replica_vllm_prefix_cache_queried_tokens", "vLLM's prefix_cache_queries_total "
+            "(prompt tokens looked up), as scraped.", ["replica"], registry=r,
+        )
+        self.vllm_prefix_hit = Counter(
+            "kvgate_replica_vllm_prefix_cache_hit_tokens", "vLLM's prefix_cache_hits_total "
+            "(prompt tokens found cached), as scraped.", ["replica"], registry=r,
+        )
+        self.scrape_age = Gauge(
+            "kvgate_replica_scrape_age_seconds", "Age of the last good scrape of the replica's "
+            "/metrics (+Inf before the first); figures older than discovery.stale_after_s are "
+            "not used.", ["replica"], registry=r,
         )
         self.ledger_divergence = Gauge(
-            "kvgate_replica_ledger_divergence_ratio", "vLLM's reported usage minus kvgate's "
-            "written-blocks ratio: positive means traffic kvgate does not see.", ["replica"],
-            registry=r,
+            "kvgate_replica_ledger_divergence_ratio", "vLLM's reported usage minus this "
+            "instance's written-blocks ratio, in [-1, 1]. Positive: blocks kvgate does not see "
+            "(other instances, direct traffic, cached blocks in use). Negative: kvgate counts "
+            "more than vLLM holds (prefixes vLLM stores once, preempted requests, an estimate "
+            "running ahead).", ["replica"], registry=r,
         )
         self.overcommit = Gauge(
             "kvgate_replica_overcommit_ratio", "How far predicted reservations may fill the "
@@ -168,27 +183,40 @@ class Metrics:
             "kvgate_state_store_latency_seconds", "Last measured round trip to the store.",
             ["backend"], registry=r,
         )
-        self.store_errors = Gauge(
-            "kvgate_state_store_errors", "Store calls that failed (cumulative).", ["backend"],
-            registry=r,
+        self.store_errors = Counter(
+            "kvgate_state_store_errors", "Store calls that failed.", ["backend"], registry=r,
         )
-        self.store_fallback_calls = Gauge(
+        self.store_fallback_calls = Counter(
             "kvgate_state_store_fallback_calls", "Calls served from local memory while the "
-            "store was down (fail_open; cumulative).", ["backend"], registry=r,
+            "store was down (fail_open).", ["backend"], registry=r,
         )
-        self.store_outage_seconds = Gauge(
-            "kvgate_state_store_outage_seconds", "Time spent with the store down (cumulative).",
-            ["backend"], registry=r,
-        )
-        self.store_reconciled_units = Gauge(
-            "kvgate_state_store_reconciled_units", "Budget units used locally during outages "
-            "and charged to the shared store when it returned (cumulative).", ["backend"],
+        self.store_outage_seconds = Counter(
+            "kvgate_state_store_outage_seconds", "Time spent with the store down.", ["backend"],
             registry=r,
+        )
+        self.store_reconciled_units = Counter(
+            "kvgate_state_store_reconciled_units", "Budget units (tokens or requests, as the "
+            "bucket counts) used locally during outages and charged to the shared store when it "
+            "returned.", ["backend"], registry=r,
         )
         self.config_reloads = Counter(
             "kvgate_config_reloads", "SIGHUP reloads, by result (ok, refused).", ["result"],
             registry=r,
         )
+
+        self._mirrored: dict[tuple[int, tuple[str, ...]], float] = {}
+
+    def mirror(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:
+        """Advance `counter` to a cumulative figure kept elsewhere (a store's error count,
+        a replica's vLLM counter). A figure that went down was reset (a restart): it counts
+        on from zero, as Prometheus' rate() expects of a counter."""
+        key = (id(counter), labels)
+        last = self._mirrored.get(key, 0.0)
+        step = total - last if total >= last else total
+        child = counter.labels(*labels)
+        if step > 0:
+            child.inc(step)
+        self._mirrored[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,6 +34,7 @@ _ALIASES = {
     "vllm:gpu_prefix_cache_queries": "prefix_queries",
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:gpu_prefix_cache_hits": "prefix_hits",
+    "vllm:generation_tokens": "generation_tokens",
 }
 
 
@@ -50,6 +51,52 @@ class Scrape:
     preemptions: float | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    generation_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Writing:
+    """One in-flight request on a replica, as the written view counts it: `progress()` tokens
+    written so far (prompt + output), of which the first `prefix_tokens` are a prefix
+    (`prefix_key`) that vLLM's cache stores once however many requests share it."""
+
+    progress: Callable[[], int]
+    prefix_key: str | None = None
+    prefix_tokens: int = 0
+
+
+class DecodeClock:
+    """Output tokens one sequence on a replica has produced since kvgate began watching it:
+    the integral of vLLM's generation-token rate per running sequence, from successive scrapes
+    of /metrics, extrapolated between them. A non-streamed request, whose tokens kvgate does not
+    see until the answer, has written what the clock advanced since it reached the replica
+    (within its max_tokens): this follows the replica's load as it changes, where one rate
+    taken when the request was sent would not."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.rate: float | None = None  # per sequence, tokens/s, from the last two scrapes
+        self._at: float | None = None
+        self._generated: float | None = None
+
+    def observe(self, scrape: Scrape) -> None:
+        generated, running = scrape.generation_tokens, scrape.running
+        if generated is None:
+            return
+        if self._at is not None and self._generated is not None and scrape.at > self._at:
+            step = generated - self._generated
+            if step >= 0:  # less: the replica restarted
+                elapsed = scrape.at - self._at
+                self.rate = step / elapsed / max(1.0, running or 0.0)
+                self.tokens += self.rate * elapsed
+        self._at, self._generated = scrape.at, generated
+
+    def now(self, at: float | None = None) -> float | None:
+        """The clock's reading at `at` (default: now); None until two scrapes have been seen."""
+        if self.rate is None or self._at is None:
+            return None
+        at = time.monotonic() if at is None else at
+        return self.tokens + self.rate * max(0.0, at - self._at)
 
 
 def parse_vllm_metrics(text: str, at: float) -> Scrape:
@@ -99,11 +146,11 @@ class Replica:
     scrape: Scrape | None = None
     last_seen: float = 0.0
     last_error: str | None = None
-    # request key -> tokens it has written so far (prompt + generated), for this instance's
-    # in-flight requests here
-    inflight: dict[str, Callable[[], int]] = field(default_factory=dict)
+    # request key -> what it has written so far, for this instance's in-flight requests here
+    inflight: dict[str, Writing] = field(default_factory=dict)
     # Output tokens per second of one sequence here, recently (None until a request ends).
     token_rate: float | None = None
+    decode_clock: DecodeClock = field(default_factory=DecodeClock)
     drain_requested: bool = False  # by POST /admin/replicas/{id}/drain (undone by .../undrain)
     vanished: bool = False  # its DNS name no longer resolves to it: drained, then forgotten
 
@@ -150,8 +197,18 @@ class Replica:
         return model in self.models
 
     def written_blocks(self) -> int:
+        """Blocks this instance's in-flight requests hold here: each its own, and the full
+        blocks of a shared prefix once, as vLLM's prefix cache stores them."""
         size = self.block_size or 16
-        return sum(math.ceil(written() / size) for written in self.inflight.values())
+        total = 0
+        shared: dict[str, int] = {}
+        for writing in self.inflight.values():
+            tokens = writing.progress()
+            prefix = min(writing.prefix_tokens, tokens) // size if writing.prefix_key else 0
+            total += math.ceil(tokens / size) - prefix
+            if prefix and writing.prefix_key is not None:
+                shared[writing.prefix_key] = max(shared.get(writing.prefix_key, 0), prefix)
+        return total + sum(shared.values())
 
     def observe_rate(self, tokens: int, seconds: float) -> None:
         """Fold in one sequence that produced `tokens` in `seconds` (a moving average, so the
@@ -239,6 +296,7 @@ async def discover(
     if metrics:
         try:
             replica.scrape = await asyncio.to_thread(parse_vllm_metrics, metrics, now)
+            replica.decode_clock.observe(replica.scrape)
         except ValueError as exc:
             log.warning("replica %s: unreadable /metrics: %s", replica.id, exc)
     if not replica.healthy:

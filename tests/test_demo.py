@@ -74,3 +74,11 @@ async def test_the_readme_snippet_works_against_the_demo_fleet():
     finally:
         await runner.cleanup()
         await demo.stop_fleet(fleet)
+
+
+def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
+    from kvgate.commands.demo import top_hint
+
+    hint = top_hint("http://127.0.0.1:8080")
+    assert "kvgate demo --port 8080" in hint
+    assert "kvgate top --url http://127.0.0.1:8080 --once" in hint

@@ -48,7 +48,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         _record(gateway, info, "ok" if info.delivered else "disconnected", 499)
         raise
     except KvgateError as exc:
-        _record(gateway, info, "refused" if exc.status < 500 else "upstream_error", exc.status)
+        outcome = "refused" if exc.status < 500 else "upstream_error"
+        _record(gateway, info, outcome, exc.status, exc.refusal_reason)
         gateway.metrics.refusals.labels(info.pool, info.tenant, exc.refusal_reason).inc()
         return error_response(exc, info.request_id)
     except web.HTTPException as exc:
@@ -59,7 +60,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
-        _record(gateway, info, "upstream_error", error.status)
+        _record(gateway, info, "upstream_error", error.status, error.refusal_reason)
         gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
@@ -72,18 +73,35 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
-def _record(gateway: Gateway, info: RequestInfo, outcome: str, status: int) -> None:
+def _record(
+    gateway: Gateway, info: RequestInfo, outcome: str, status: int, reason: str | None = None
+) -> None:
     duration = time.monotonic() - info.started
     gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
     if outcome in ("ok", "disconnected", "client_error"):
         gateway.metrics.duration.labels(info.pool, info.model).observe(duration)
     if gateway.runtime.config.server.access_log:
-        access_log.info("%s", orjson.dumps({
-            "request_id": info.request_id, "tenant": info.tenant, "model": info.model,
-            "pool": info.pool, "replica": info.replica, "status": status, "outcome": outcome,
-            "prompt_tokens": info.prompt_tokens, "reserved_blocks": info.reserved_blocks,
-            "charged_tokens": info.charged_tokens, "duration_s": round(duration, 4),
-        }).decode())
+        access_log.info("%s", access_line(info, outcome, status, reason, duration))
+
+
+def access_line(
+    info: RequestInfo, outcome: str, status: int, reason: str | None, duration: float
+) -> str:
+    """One request's access-log record as JSON: what it asked, where it went, what it cost and
+    how it ended. Never the prompt, never a key (the tenant is its configured name)."""
+    return orjson.dumps({
+        "request_id": info.request_id, "tenant": info.tenant, "model": info.model,
+        "pool": info.pool, "replica": info.replica, "status": status, "outcome": outcome,
+        "refusal_reason": reason, "prompt_tokens": info.prompt_tokens,
+        "max_tokens": info.max_tokens, "worst_case_blocks": info.worst_case_blocks,
+        "reserved_blocks": info.reserved_blocks, "charged_tokens": info.charged_tokens,
+        "queue_wait_s": _seconds(info.queue_wait_s), "ttft_s": _seconds(info.ttft_s),
+        "duration_s": _seconds(duration),
+    }).decode()
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _from_http(exc: web.HTTPException) -> KvgateError | None:

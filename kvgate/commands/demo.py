@@ -128,7 +128,14 @@ async def _main(args: argparse.Namespace) -> int:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         print(render(report))
+    say(top_hint(f"http://127.0.0.1:{args.port or 8080}"))
     return 0
+
+
+def top_hint(url: str) -> str:
+    return (f"\nTo watch the fleet live: `kvgate demo --port {url.rsplit(':', 1)[1]}` in one "
+            f"terminal, then in another\n  kvgate top --url {url} --once   "
+            "(one frame, for scripts; without --once it refreshes in place)")
 
 
 async def start_fleet(tokenizer: Any, time_scale: float) -> dict[str, SimReplica]:
@@ -231,9 +238,10 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
         '"content": "hi"}])',
         "",
         "Look at:",
-        f"  {url}/metrics          kvgate's metrics (kvgate_replica_blocks_reserved, ...)",
+        f"  {url}/metrics          kvgate's metrics (kvgate_replica_reserved_blocks, ...)",
         f"  {url}/admin/replicas   each replica: blocks total / reserved / written, vLLM's view",
         f"  {fleet['normal-a'].url}/metrics   a replica's own vLLM metrics",
+        f"  kvgate top --url {url}   a live terminal view (--once: one frame)",
         "Tenants: api_key \"vip\" (critical), \"chat-app\", \"batch\" (sheddable), \"demo\" "
         "(anonymous); or X-Tenant-Id from 127.0.0.1. Ctrl-C to stop.",
     ]

@@ -11,7 +11,7 @@ import aiohttp
 
 from tests.accounting.clients import hang_up_at_done
 from tests.plugins.gateway import gateway_config, wait_settled
-from tests.tenants.support import chat, metrics, post, sample
+from tests.tenants.support import chat, eventually, metrics, post, sample
 
 HI_TOKENS = 9  # "hi" in one ChatML message: 1 text + 5 per message + 3 for the reply primer
 
@@ -102,13 +102,36 @@ async def test_the_access_log_carries_the_books_of_each_request(
     gw = await gateway_factory(gateway_config([stub.url], server={"access_log": True}))
     async with aiohttp.ClientSession() as s:
         with caplog.at_level(logging.INFO, logger="kvgate.access"):
-            reply = await post(s, gw.url, chat(max_tokens=50), headers={"X-Request-Id": "abc"})
+            reply = await post(s, gw.url, chat(max_tokens=50, stream=True),
+                               headers={"X-Request-Id": "abc", "Authorization": "Bearer sk-1"})
+
+            async def logged() -> bool:  # a stream is logged once its handler returns
+                return any(r.name == "kvgate.access" for r in caplog.records)
+
+            await eventually(logged, what="the access-log line")
     assert reply.status == 200
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
     record = json.loads(line)
     assert record["request_id"] == "abc" and record["outcome"] == "ok" and record["status"] == 200
-    assert record["prompt_tokens"] == HI_TOKENS
+    assert record["prompt_tokens"] == HI_TOKENS and record["max_tokens"] == 50
     assert record["reserved_blocks"] == math.ceil((HI_TOKENS + 50) / 16)
+    assert record["worst_case_blocks"] == math.ceil((HI_TOKENS + 50) / 16)
+    assert record["queue_wait_s"] >= 0 and record["refusal_reason"] is None
+    assert 0 < record["ttft_s"] <= record["duration_s"]
+    assert "sk-1" not in line
     assert record["charged_tokens"] == 10 + 3  # the stub's usage: 10 prompt, 3 completion
     assert record["replica"] == gw.gateway.registry.in_pool("default")[0].id
     assert "messages" not in line and "hi" not in record.values()
+
+
+async def test_a_refused_request_is_logged_with_its_reason(stub_factory, gateway_factory, caplog):
+    stub = await stub_factory(max_model_len=100)
+    gw = await gateway_factory(gateway_config([stub.url], server={"access_log": True}))
+    async with aiohttp.ClientSession() as s:
+        with caplog.at_level(logging.INFO, logger="kvgate.access"):
+            reply = await post(s, gw.url, chat(max_tokens=500))
+    assert reply.status == 400
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
+    record = json.loads(line)
+    assert (record["outcome"], record["refusal_reason"]) == ("refused", "context_length_exceeded")
+    assert record["replica"] is None and record["ttft_s"] is None

@@ -51,12 +51,12 @@ async def test_capacity_is_read_from_vllm_metrics_and_config_overrides_it(sim_fa
 
     async def exported() -> bool:
         samples = await scrape(gw.url)
-        return value(samples, "kvgate_replica_blocks_total", replica="seen") == 512
+        return value(samples, "kvgate_replica_capacity_blocks", replica="seen") == 512
 
     await until(exported)
     samples = await scrape(gw.url)
-    assert value(samples, "kvgate_replica_blocks_admissible", replica="seen") == int(512 * 0.9)
-    assert value(samples, "kvgate_replica_blocks_total", replica="pinned") == 100
+    assert value(samples, "kvgate_replica_admissible_blocks", replica="seen") == int(512 * 0.9)
+    assert value(samples, "kvgate_replica_capacity_blocks", replica="pinned") == 100
     assert value(samples, "kvgate_replica_healthy", replica="seen") == 1
 
 
@@ -89,15 +89,15 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
         async def all_three_lines() -> bool:
             s = await scrape(gw.url)
             return bool(
-                (value(s, "kvgate_replica_blocks_reserved", replica=kv_replica.id) or 0) > 0
-                and (value(s, "kvgate_replica_blocks_written", replica=kv_replica.id) or 0) > 0
+                (value(s, "kvgate_replica_reserved_blocks", replica=kv_replica.id) or 0) > 0
+                and (value(s, "kvgate_replica_written_blocks", replica=kv_replica.id) or 0) > 0
                 and (value(s, "kvgate_replica_vllm_kv_usage_ratio", replica=kv_replica.id) or 0) > 0
             )
 
         await until(all_three_lines)
         samples = await scrape(gw.url)
-        reserved = value(samples, "kvgate_replica_blocks_reserved", replica=kv_replica.id)
-        written = value(samples, "kvgate_replica_blocks_written", replica=kv_replica.id)
+        reserved = value(samples, "kvgate_replica_reserved_blocks", replica=kv_replica.id)
+        written = value(samples, "kvgate_replica_written_blocks", replica=kv_replica.id)
         assert reserved is not None and written is not None
         assert written < reserved  # the worst case is reserved up front, written grows
         headroom = value(samples, "kvgate_replica_headroom_requests", replica=kv_replica.id)
@@ -106,7 +106,7 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
 
     async def drained() -> bool:
         s = await scrape(gw.url)
-        return value(s, "kvgate_replica_blocks_reserved", replica=kv_replica.id) == 0
+        return value(s, "kvgate_replica_reserved_blocks", replica=kv_replica.id) == 0
 
     await until(drained)
     samples = await scrape(gw.url)

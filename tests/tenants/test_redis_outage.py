@@ -146,9 +146,9 @@ async def test_fail_open_keeps_serving_through_a_redis_outage_and_reports_it(
     assert len(during) >= 10
     async with aiohttp.ClientSession() as s:
         samples = await metrics(s, run.gw.url)
-    assert sample(samples, "kvgate_state_store_fallback_calls", backend="redis") > 0
-    assert sample(samples, "kvgate_state_store_outage_seconds", backend="redis") > 0
-    assert sample(samples, "kvgate_state_store_errors", backend="redis") > 0
+    assert sample(samples, "kvgate_state_store_fallback_calls_total", backend="redis") > 0
+    assert sample(samples, "kvgate_state_store_outage_seconds_total", backend="redis") > 0
+    assert sample(samples, "kvgate_state_store_errors_total", backend="redis") > 0
     assert sample(samples, "kvgate_state_store_latency_seconds", backend="redis") is not None
     await nothing_held(run.gw, private_redis, key_prefix)
 
