@@ -55,6 +55,9 @@ class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    # Messages in a chat (or prompts in a batched completion) beyond this get 400: it bounds
+    # the per-message work one request can ask of kvgate.
+    max_messages: PositiveInt = 4096
     drain_s: float = Field(30.0, ge=0)
     # One JSON line per API request on the `kvgate.access` logger (fields and cost: see
     # config/kvgate.yaml and kvgate.api.routes.access_line; the metrics count every request).

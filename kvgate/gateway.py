@@ -39,7 +39,7 @@ from kvgate.errors import (
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
 from kvgate.replicas import Registry, Replica, Writing
-from kvgate.requests import Endpoint, ParsedRequest, parse_body
+from kvgate.requests import Endpoint, ParsedRequest, parse_request
 from kvgate.routing.fleet import Fleet
 from kvgate.routing.health import Breakers
 from kvgate.routing.pools import choose_pool, overflow_chain
@@ -105,7 +105,7 @@ class Gateway:
 
         # parse & validate, identify the tenant
         raw = await read_body(request, rt.config.server.max_body_bytes)
-        parsed = parse_body(raw, endpoint)
+        parsed = await parse_request(raw, endpoint, rt.config.server.max_messages)
         info.model = parsed.model
         tenant = rt.directory.identify(request.headers, request.remote)
         info.tenant = tenant.name

@@ -1,18 +1,24 @@
 """The parsed request: what kvgate reads from an OpenAI request body, validated.
 
-Only the fields kvgate interprets are checked; every other field (vLLM's extensions such as
-`ignore_eos`, `priority`, `chat_template_kwargs`, `guided_json`) passes through untouched.
-Bad input raises `BadRequest` naming the field, and is never forwarded.
+The fields kvgate interprets are checked here; every other field the OpenAI API defines is
+checked by type and range in `kvgate.schema`; fields neither knows (vLLM's extensions such as
+`ignore_eos`, `chat_template_kwargs`, `guided_json`) pass through untouched. Bad input raises
+`BadRequest` naming the field, and is never forwarded.
+
+A large body is parsed off the event loop (`parse_request`): parsing and validation are linear
+in the body, and 8 MB of tiny messages would otherwise hold the loop for about half a second.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from kvgate import schema
 from kvgate.errors import BadRequest
 
 # No model has a context this long; a larger max_tokens is a client bug, not a request.
@@ -22,6 +28,14 @@ ABSURD_MAX_TOKENS = 10_000_000
 class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+
+
+# Bodies above this are parsed in a worker thread (about 1 ms of parsing on the loop).
+OFF_LOOP_BYTES = 256 * 1024
+DEFAULT_MAX_MESSAGES = 4096
+# Body fields a client may not set: vLLM's `priority` orders its own queue, and kvgate's
+# tenant classes decide that; a tenant could otherwise jump ahead of every other tenant.
+RESERVED_FIELDS = {"priority": "the priority is set by kvgate from the tenant's class"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +54,18 @@ class ParsedRequest:
         return self.body.get("messages") or []
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
+async def parse_request(
+    raw: bytes, endpoint: Endpoint, max_messages: int = DEFAULT_MAX_MESSAGES
+) -> ParsedRequest:
+    """`parse_body`, off the event loop when the body is large."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse_body(raw, endpoint, max_messages)
+    return await asyncio.to_thread(parse_body, raw, endpoint, max_messages)
+
+
+def parse_body(
+    raw: bytes, endpoint: Endpoint, max_messages: int = DEFAULT_MAX_MESSAGES
+) -> ParsedRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -52,10 +77,18 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
 
+    for field, why in RESERVED_FIELDS.items():
+        if field in body:
+            raise BadRequest(f"'{field}' may not be set by a client: {why}", param=field)
+
     if endpoint is Endpoint.CHAT:
+        schema.check_count(body.get("messages"), max_messages, "messages")
         _check_messages(body.get("messages"))
     else:
-        _check_prompt(body.get("prompt"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            schema.check_count(prompt, max_messages, "prompt")  # a batch of prompts
+        _check_prompt(prompt)
 
     stream = body.get("stream")
     if stream is None:  # as vLLM: null means the default
@@ -71,6 +104,8 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("'user' must be a string", param="user")
+    schema.validate(body, chat=endpoint is Endpoint.CHAT)
+    schema.check_encodable(body)
     return ParsedRequest(
         endpoint=endpoint,
         body=body,
@@ -155,17 +190,18 @@ def _check_messages(messages: Any) -> None:
 def _check_prompt(prompt: Any) -> None:
     if prompt is None:
         raise BadRequest("'prompt' is required", param="prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt:
         return
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
+        if all(isinstance(p, str) and p for p in prompt):
             return
         if all(_token_id(p) for p in prompt):
             return
         if all(isinstance(p, list) and p and all(_token_id(t) for t in p) for p in prompt):
             return
     raise BadRequest(
-        "'prompt' must be a string, an array of strings, or an array of token ids", param="prompt"
+        "'prompt' must be a non-empty string, an array of non-empty strings, or an array of "
+        "token ids", param="prompt"
     )
 
 

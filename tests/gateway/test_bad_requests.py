@@ -305,3 +305,27 @@ async def test_json_nested_deeper_than_kvgate_can_encode_is_a_400_not_a_500(
     status, _, raw = await target.post(CHAT, body, headers={"Content-Type": "application/json"})
     assert status == 400
     assert openai_error(raw)["param"] == "tools"
+
+
+@pytest.mark.parametrize("where", ["unknown-field", "content-part"])
+async def test_any_field_nested_deeper_than_kvgate_can_encode_is_a_400_not_a_500(
+    target: Target, nothing_forwarded: None, where: str
+) -> None:
+    deep: object = {}
+    for _ in range(300):
+        deep = {"x": deep}
+    if where == "unknown-field":
+        body = chat(vendor_extension=deep)
+    else:
+        body = chat(messages=[{"role": "user", "content": [{"type": "text", "x": deep}]}])
+    status, _, raw = await target.post(CHAT, json.dumps(body).encode())
+    assert status == 400, raw[:300]
+    assert "nested" in openai_error(raw)["message"]
+
+
+async def test_a_known_field_of_the_wrong_type_is_refused_before_forwarding(
+    target: Target, nothing_forwarded: None
+) -> None:
+    status, _, raw = await target.post(CHAT, chat(temperature="hot"))
+    assert status == 400
+    assert openai_error(raw)["param"] == "temperature"
