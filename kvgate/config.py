@@ -58,6 +58,11 @@ class ServerConfig(_Model):
     # Messages in a chat (or prompts in a batched completion) beyond this get 400: it bounds
     # the per-message work one request can ask of kvgate.
     max_messages: PositiveInt = 4096
+    # A client's header section, and then its body, must each arrive within this; an idle
+    # keep-alive connection is closed after it too.
+    client_timeout_s: PositiveFloat = 30.0
+    # Client connections beyond this are answered 503 (code too_many_connections) and closed.
+    max_connections: PositiveInt = 10000
     drain_s: float = Field(30.0, ge=0)
     # One JSON line per API request on the `kvgate.access` logger (fields and cost: see
     # config/kvgate.yaml and kvgate.api.routes.access_line; the metrics count every request).

@@ -9,6 +9,7 @@
      │    ├── Forbidden               403 code=model_not_allowed / pool_not_allowed
      │    ├── NotFound                404 code=model_not_found / unknown_url
      │    ├── MethodNotAllowed        405
+     │    ├── RequestTimeout          408 the body did not arrive within server.client_timeout_s
      │    ├── PayloadTooLarge         413
      │    └── RateLimited             429 code=queue_full / queue_timeout: no KV capacity in time
      │         └── OverBudget         429 code=rate_limit_exceeded, type=requests / tokens /
@@ -105,6 +106,12 @@ class NotFound(ClientError):
 class MethodNotAllowed(ClientError):
     status = 405
     code = "method_not_allowed"
+
+
+class RequestTimeout(ClientError):
+    status = 408
+    code = "request_timeout"
+    refusal_reason = "request_timeout"
 
 
 class PayloadTooLarge(ClientError):

@@ -12,6 +12,7 @@ timeout, client disconnect, cancellation — releases it exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import os
@@ -32,6 +33,7 @@ from kvgate.errors import (
     NoReplica,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     ServerError,
     UpstreamError,
     UpstreamTimeout,
@@ -104,7 +106,9 @@ class Gateway:
         info: RequestInfo = request[REQUEST_INFO]
 
         # parse & validate, identify the tenant
-        raw = await read_body(request, rt.config.server.max_body_bytes)
+        raw = await read_body(
+            request, rt.config.server.max_body_bytes, rt.config.server.client_timeout_s
+        )
         parsed = await parse_request(raw, endpoint, rt.config.server.max_messages)
         info.model = parsed.model
         tenant = rt.directory.identify(request.headers, request.remote)
@@ -475,16 +479,24 @@ def max_model_len(model: str, fleet: Fleet, pool: str) -> int | None:
     return max(lengths) if lengths else None
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, at most `limit` bytes, within `timeout_s` (a body that trickles in
+    would hold its connection and its handler as long as the client likes)."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
     chunks = []
     size = 0
-    async for chunk in request.content.iter_chunked(65536):
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_chunked(65536):
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g}s", headers={"Connection": "close"}
+        ) from None
     return b"".join(chunks)
 
 

@@ -28,10 +28,13 @@ def error_response(error: KvgateError, request_id: str | None = None) -> web.Res
     headers = dict(error.headers)
     if request_id:
         headers["X-Request-Id"] = request_id
-    return web.Response(
+    response = web.Response(
         body=orjson.dumps(error.body()), status=error.status, headers=headers,
         content_type="application/json",
     )
+    if headers.get("Connection", "").lower() == "close":  # e.g. a body that never arrived whole
+        response.force_close()
+    return response
 
 
 @web.middleware

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from kvgate.api.protocol import gateway_runner
 from kvgate.app import build_app, reload
 from kvgate.config import (
     Config,
@@ -90,9 +91,7 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM; SIGHUP reloads. Drains in-flight requests on the way out."""
     # kvgate writes its own access log line (kvgate.access, with the request's books)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=config.server.drain_s, access_log=None,
-    )
+    runner = gateway_runner(app, config.server, shutdown_timeout=config.server.drain_s)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()
