@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.admission import Admission
+from kvgate.api.admin import admin_middleware
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
@@ -55,7 +56,10 @@ def build_store(config: Config) -> StateStore:
 def build_app(config: Config, store: StateStore | None = None) -> web.Application:
     """The whole gateway for one config. Tokenizers load here: a bad one raises
     TokenizerError before anything listens."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[errors_middleware, admin_middleware],
+        client_max_size=config.server.max_body_bytes,
+    )
     catalog = Catalog()
     catalog.configure(config)
     metrics = Metrics()
@@ -96,7 +100,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     )
     gateway_box.append(gateway)
     app[GATEWAY] = gateway
-    add_routes(app)
+    add_routes(app, admin=config.server.admin.port is None)
     app.cleanup_ctx.append(_services)
     return app
 

@@ -51,6 +51,18 @@ def _http_url(value: str) -> str:
     return value.rstrip("/")
 
 
+class AdminConfig(_Model):
+    """/admin/* and /metrics: see kvgate.api.admin."""
+
+    # SHA-256 (hex) of the admin token; the token itself never appears in config.
+    token_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # /admin/* needs the token; null: whenever auth.mode is not none.
+    require_token: bool | None = None
+    # A listener of their own for /admin/* and /metrics (null: on the API listener).
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+
+
 class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -70,6 +82,7 @@ class ServerConfig(_Model):
     # X-Kvgate-Prompt-Tokens (kvgate's estimate of vLLM's count) and X-Kvgate-Reserved-Blocks
     # on every forwarded response, to compare with the usage vLLM reports.
     accounting_headers: bool = True
+    admin: AdminConfig = AdminConfig()
 
 
 class TimeoutsConfig(_Model):

@@ -215,12 +215,21 @@ def _drain_handler(drain: bool) -> Handler:
     return handler
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, *, admin: bool = True) -> None:
+    """The API; with `admin`, also /metrics and /admin/* (else they are on their own listener:
+    `kvgate.api.admin`)."""
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    if admin:
+        add_admin_routes(app, health_too=False)
+
+
+def add_admin_routes(app: web.Application, *, health_too: bool = True) -> None:
+    if health_too:
+        app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/replicas", admin_replicas)
     app.router.add_post("/admin/replicas/{replica}/drain", _drain_handler(True))

@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from kvgate.api.admin import start_admin_listener
 from kvgate.api.protocol import gateway_runner
+from kvgate.api.routes import GATEWAY
 from kvgate.app import build_app, reload
 from kvgate.config import (
     Config,
@@ -97,6 +99,9 @@ async def serve(
     await site.start()
     url = _url(site)
     log.info("kvgate listening on %s", url)
+    admin = await start_admin_listener(app[GATEWAY], config)
+    if admin is not None:
+        log.info("kvgate admin listening on %s", admin.addresses[0])
     if started is not None:
         started(url)
     stop = asyncio.Event()
@@ -110,6 +115,8 @@ async def serve(
     finally:
         log.info("kvgate shutting down: draining for up to %.0fs", config.server.drain_s)
         await runner.cleanup()
+        if admin is not None:
+            await admin.cleanup()
 
 
 def _url(site: web.TCPSite) -> str:
