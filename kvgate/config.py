@@ -48,6 +48,10 @@ def _http_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("not an http(s) URL")
+    if "@" in parts.netloc:
+        # a replica's id is its host:port, sent to clients (X-Kvgate-Replica), in metric labels
+        # and in logs: credentials there would leak everywhere
+        raise ValueError("a replica URL may not carry credentials; use api_key")
     return value.rstrip("/")
 
 

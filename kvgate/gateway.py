@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -501,10 +502,12 @@ async def read_body(request: web.Request, limit: int, timeout_s: float | None = 
 
 
 REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 def new_request_info(request: web.Request) -> RequestInfo:
     key = os.urandom(16).hex()
     given = request.headers.get("X-Request-Id", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else key
+    # echoed in a response header: visible ASCII only, nothing a header could be split on
+    request_id = given if 0 < len(given) <= 128 and _VISIBLE_ASCII.fullmatch(given) else key
     return RequestInfo(request_id=request_id, started=time.monotonic(), key=key)
