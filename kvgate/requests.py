@@ -33,9 +33,9 @@ class Endpoint(enum.Enum):
 # Bodies above this are parsed in a worker thread (about 1 ms of parsing on the loop).
 OFF_LOOP_BYTES = 256 * 1024
 DEFAULT_MAX_MESSAGES = 4096
-# Body fields a client may not set: vLLM's `priority` orders its own queue, and kvgate's
-# tenant classes decide that; a tenant could otherwise jump ahead of every other tenant.
-RESERVED_FIELDS = {"priority": "the priority is set by kvgate from the tenant's class"}
+# vLLM's body field `priority` orders its own queue (lower runs earlier, default 0). kvgate's
+# tenant classes decide who goes first, so a client may lower its own request (>= 0) but never
+# raise it above everyone else's.
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +77,15 @@ def parse_body(
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
 
-    for field, why in RESERVED_FIELDS.items():
-        if field in body:
-            raise BadRequest(f"'{field}' may not be set by a client: {why}", param=field)
+    priority = body.get("priority")
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int) or priority < 0
+    ):
+        raise BadRequest(
+            "'priority' must be an integer >= 0: a client may lower its request's priority on "
+            "the replica, never raise it (kvgate's tenant classes decide who goes first)",
+            param="priority",
+        )
 
     if endpoint is Endpoint.CHAT:
         schema.check_count(body.get("messages"), max_messages, "messages")

@@ -216,29 +216,38 @@ class Relay:
         buffer = b""
         idle = self.timeouts.idle_s
         loop = asyncio.get_running_loop()
+        writing = False
         try:
-            # One timeout for the whole stream, moved rather than re-created per chunk: while
-            # reading, the idle gap or the total deadline, whichever is first; while writing to
-            # the client (which may apply backpressure), the total deadline only.
+            # One timeout for the whole stream, moved rather than re-created per chunk: the idle
+            # gap or the total deadline, whichever is first, both while reading from the replica
+            # and while writing to the client (a client that stops reading holds no more than
+            # the transport's buffer, and only for one idle gap).
             until_deadline = deadline - time.monotonic()
             async with asyncio.timeout(None) as limit:
                 while True:
                     limit.reschedule(loop.time() + min(idle, until_deadline))
                     chunk = await upstream.content.readany()
                     until_deadline = deadline - time.monotonic()
-                    limit.reschedule(loop.time() + until_deadline)
+                    limit.reschedule(loop.time() + min(idle, until_deadline))
                     if not chunk:
                         break
                     buffer += chunk.replace(b"\r\n", b"\n")
                     *events, buffer = buffer.split(b"\n\n")
                     out = self._filter(events, outcome, client_wants_usage)
                     if out:
+                        writing = True
                         await self._write(response, out, outcome)
+                        writing = False
             if buffer.strip():
                 out = self._filter([buffer], outcome, client_wants_usage)
                 if out:
                     await self._write(response, out, outcome)
         except TimeoutError:
+            if writing and time.monotonic() < deadline:  # the client stopped reading
+                outcome.client_disconnected = True
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
             outcome.upstream_failed = True
             await self._send_error(response, UpstreamTimeout(
                 f"replica {replica.id} sent nothing for {idle:g}s mid-stream"

@@ -76,7 +76,8 @@ REFUSED: list[tuple[str, Endpoint, bytes, str]] = [
     ("completions-logprobs-over-20", Endpoint.COMPLETIONS, completion(logprobs=21), "logprobs"),
     ("completions-echo-string", Endpoint.COMPLETIONS, completion(echo="no"), "echo"),
     ("completions-suffix-number", Endpoint.COMPLETIONS, completion(suffix=1), "suffix"),
-    ("vllm-priority-set-by-client", Endpoint.CHAT, chat(priority=-100), "priority"),
+    ("vllm-priority-raised-by-client", Endpoint.CHAT, chat(priority=-100), "priority"),
+    ("vllm-priority-not-an-integer", Endpoint.CHAT, chat(priority="high"), "priority"),
     # orjson reads 1024 levels but writes 254: deeper could be parsed, never forwarded
     ("unknown-field-nested-300-deep", Endpoint.CHAT, chat(vendor_extension=nested(300)),
      "vendor_extension"),
@@ -115,6 +116,7 @@ ACCEPTED: list[tuple[str, Endpoint, bytes]] = [
     ("nulls-mean-defaults", Endpoint.CHAT,
      chat(temperature=None, stop=None, tools=None, tool_choice=None, seed=None)),
     ("completions", Endpoint.COMPLETIONS, completion(logprobs=5, echo=True, suffix="!")),
+    ("vllm-priority-lowered-by-client", Endpoint.CHAT, chat(priority=3)),
     ("nesting-254-levels-with-the-body", Endpoint.CHAT, chat(vendor_extension=nested(252))),
 ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -15,7 +16,13 @@ from aiohttp import web
 
 from kvgate.api.protocol import gateway_runner
 from kvgate.app import build_app
-from tests.plugins.gateway import StubUpstream, gateway_config, openai_error
+from tests.plugins.gateway import (
+    RunningGateway,
+    StubUpstream,
+    gateway_config,
+    openai_error,
+    wait_settled,
+)
 
 GatewayAt = Callable[..., Awaitable[int]]
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -155,3 +162,32 @@ async def test_connections_beyond_the_cap_are_refused_with_503(gateway_at: Gatew
             break
         await asyncio.sleep(0.02)
     assert status == 200
+
+
+async def test_a_client_that_stops_reading_a_stream_is_cut_off_after_the_idle_timeout(
+    stub_factory: Callable[..., Awaitable[StubUpstream]],
+    gateway_factory: Callable[..., Awaitable[RunningGateway]],
+) -> None:
+    """The replica streams far more than the socket buffers hold; the client reads the
+    headers and stops. kvgate holds at most its transport's buffer, and once a write has
+    waited idle_s it lets go: the reservation is released long before total_s."""
+    stub = await stub_factory(chunks=400_000, max_model_len=1_000_000, num_gpu_blocks=100_000)
+    gw = await gateway_factory(gateway_config([stub.url], timeouts={
+        "connect_s": 2, "first_byte_s": 10, "idle_s": 0.5, "total_s": 120}))
+    body = orjson.dumps({"model": "stub-model", "stream": True, "max_tokens": 400_000 - 100,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(CHAT + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        # ... and reads nothing more
+        await wait_settled(gw, timeout_s=20)
+        assert stub.finished == 0  # the replica's stream was abandoned, not completed
+    finally:
+        writer.close()

@@ -139,7 +139,8 @@ def against_openai_types(body: dict[str, Any], chat: bool) -> str | None:
     for name in ("echo", "stream", "parallel_tool_calls"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             return name
-    if "priority" in body:
+    priority = body.get("priority")
+    if priority is not None and not (type(priority) is int and priority >= 0):
         return "priority"
     if chat and not all(isinstance(m, dict) and m.get("role") in ROLES
                         for m in body.get("messages") or [None]):
