@@ -293,3 +293,43 @@ def test_long_threshold_without_a_long_pool_is_refused():
 
     with pytest.raises(ConfigError, match="no long pool"):
         quick("--upstream", "http://a:8000", "--long-threshold", "8000")
+
+
+async def test_sigterm_under_load_stops_accepting_finishes_streams_in_flight_and_exits_0(
+    start_kvgate, stub_factory, tmp_path: Path
+):
+    gate = asyncio.Event()
+    stub = await stub_factory(chunks=3, gate=gate)  # every stream waits after its first chunk
+    path, port = tmp_path / "kvgate.yaml", free_port()
+    path.write_text(yaml.safe_dump({
+        "server": {"port": port, "drain_s": 20}, "discovery": {"interval_s": 0.1},
+        "pools": {"default": {"replicas": [{"url": stub.url}]}},
+    }))
+    kvgate = await start_kvgate("--config", str(path))
+    url = f"http://127.0.0.1:{port}"
+    await wait_ready(url)
+    async with aiohttp.ClientSession() as session:
+        streams = [await session.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
+                   for _ in range(8)]
+        for stream in streams:  # all eight are mid-stream
+            assert b"tok0" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
+        kvgate.proc.send_signal(signal.SIGTERM)
+        await kvgate.wait_for("kvgate shutting down")
+        deadline = time.monotonic() + 10
+        while True:  # the listener closes: a new client is refused, not queued
+            try:
+                async with aiohttp.ClientSession() as fresh, fresh.post(
+                    f"{url}/v1/chat/completions", json=CHAT) as r:
+                    await r.read()
+            except aiohttp.ClientConnectionError:
+                break
+            assert time.monotonic() < deadline, "kvgate kept accepting after SIGTERM"
+            await asyncio.sleep(0.05)
+        assert kvgate.proc.returncode is None  # still draining the eight
+        gate.set()
+        for stream in streams:
+            rest = await asyncio.wait_for(stream.read(), 10)
+            stream.release()
+            assert rest.endswith(b"data: [DONE]\n\n")
+    assert await kvgate.exit_code() == 0
+    assert "Traceback" not in kvgate.log

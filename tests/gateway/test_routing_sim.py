@@ -15,7 +15,7 @@ import pytest
 from kvgate.routing.sessions import Sessions
 from kvgate.sim.faults import Faults
 from kvgate.state.redis import RedisStore
-from tests.plugins.gateway import RunningGateway, gateway_config, wait_settled
+from tests.plugins.gateway import RunningGateway, gateway_config, wait_released
 
 SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.02, output_len_dist="max")
 SYSTEM = {"role": "system", "content": "You are the support assistant of a bicycle shop."}
@@ -79,7 +79,7 @@ async def test_one_dominant_system_prompt_spreads_within_the_bounded_load(
     peak_total = max(sum(reserved) for reserved in samples)
     peaks = [max(reserved[i] for reserved in samples) for i in range(4)]
     assert max(peaks) <= 1.25 * peak_total / 4 + request_blocks, (peaks, peak_total)
-    await wait_settled(gw)
+    await wait_released(gw)
 
 
 async def test_a_killed_replica_costs_no_request_that_had_not_begun_streaming(
@@ -123,7 +123,7 @@ async def test_a_killed_replica_costs_no_request_that_had_not_begun_streaming(
     rebound = [line for line in text.splitlines()
                if line.startswith("kvgate_session_routes_total") and 'result="rebound"' in line]
     assert rebound, "the killed replica's sessions were rebound"
-    await wait_settled(gw)
+    await wait_released(gw)
 
 
 async def test_a_replica_answering_500s_is_ejected_then_readmitted_after_a_trial(
@@ -154,7 +154,7 @@ async def test_a_replica_answering_500s_is_ejected_then_readmitted_after_a_trial
     assert all(status == 200 for status, _ in later)
     assert "r0" in {replica for _, replica in later}
     assert gw.gateway.breakers.state("r0") == "closed"
-    await wait_settled(gw)
+    await wait_released(gw)
 
 
 async def test_a_stream_cut_after_it_began_is_not_retried(sim_factory, gateway_factory):
@@ -173,7 +173,7 @@ async def test_a_stream_cut_after_it_began_is_not_retried(sim_factory, gateway_f
             if resp.headers["X-Kvgate-Replica"] == "r0":
                 assert b'"error"' in raw  # told in-band; never sent twice
     assert "kvgate_upstream_retries_total{" not in gw.gateway.metrics.render().decode()
-    await wait_settled(gw)
+    await wait_released(gw)
 
 
 async def test_drain_takes_no_new_requests_lets_in_flight_ones_finish_and_rebinds_sessions(
@@ -198,7 +198,7 @@ async def test_drain_takes_no_new_requests_lets_in_flight_ones_finish_and_rebind
             assert (await resp.json())["draining"] is False
         async with http.post(f"{gw.url}/admin/replicas/nope/drain") as resp:
             assert resp.status == 404
-    await wait_settled(gw)
+    await wait_released(gw)
 
 
 @pytest.fixture

@@ -242,3 +242,21 @@ async def wait_settled(gw: RunningGateway, timeout_s: float = 5.0) -> None:
                 f"{len(admission.prefixes)} shared prefixes"
             )
         await asyncio.sleep(0.01)
+
+
+async def wait_released(gw: RunningGateway, timeout_s: float = 10.0) -> None:
+    """`wait_settled`, and also: every pool's queue empty and every tenant's concurrency count
+    zero in the state store. What a fault test asserts once its load is over."""
+    await wait_settled(gw, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    gateway = gw.gateway
+    tenants = {t.name for t in gateway.runtime.config.tenants} | {"anonymous"}
+    while True:
+        # the queue's length has no public reader; the gauge lags by up to a second
+        queued = {p: len(gateway.admission._pool(p).queue) for p in gateway.admission.pools()}
+        running = {t: await gateway.store.held(f"concurrency:{t}") for t in sorted(tenants)}
+        if not any(queued.values()) and not any(running.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not released: queued {queued}, tenant concurrency {running}")
+        await asyncio.sleep(0.01)

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from kvgate.state.redis import RedisStore
-from tests.plugins.gateway import RunningGateway, gateway_config, openai_error
+from tests.plugins.gateway import RunningGateway, gateway_config, openai_error, wait_released
 from tests.plugins.redis_server import PrivateRedis
 from tests.tenants.support import chat, concurrency_pool, eventually, metrics, post, sample
 
@@ -133,6 +133,7 @@ async def nothing_held(gw: RunningGateway, private_redis: PrivateRedis, key_pref
             await eventually(released, what=f"{pool} released")
     finally:
         await redis.close()
+    await wait_released(gw)  # and no lease kept, nothing queued, nothing in flight
 
 
 async def test_fail_open_keeps_serving_through_a_redis_outage_and_reports_it(
