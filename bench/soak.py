@@ -97,7 +97,7 @@ async def client(
                     else:
                         tally.error("stream cut")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            tally.error(type(exc).__name__)
+            tally.error(f"{type(exc).__name__}: {str(exc)[:80]}")
             await asyncio.sleep(0.5)
 
 
@@ -170,6 +170,8 @@ async def main(args: argparse.Namespace) -> int:
             await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.sleep(3)  # leases and gauges settle
         leftover = await held(http, url)
+        await http.close()  # the clients' keep-alive connections too
+        await asyncio.sleep(2)
         after = (rss_mib(pid), open_fds(pid))
         probe.terminate()
         await probe.wait()
