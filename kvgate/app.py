@@ -20,6 +20,7 @@ from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, secret
 from kvgate.demand import ledger_key
+from kvgate.dns import dns_loop
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
@@ -120,6 +121,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             session, gateway.registry, lambda: gateway.runtime.config.discovery,
             lambda: gateway.admission.after_discovery(gateway.registry),
         )),
+        _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
