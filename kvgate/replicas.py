@@ -333,7 +333,7 @@ async def discover(
 
 
 async def discovery_loop(
-    session: aiohttp.ClientSession,
+    session: Callable[[], aiohttp.ClientSession | None],
     registry: Registry,
     config: Callable[[], DiscoveryConfig],
     after_round: Callable[[], None] = lambda: None,
@@ -341,8 +341,9 @@ async def discovery_loop(
     """Scrape every replica each interval, all at once, until cancelled; `after_round` runs
     after each round (new figures may let queued requests in)."""
     while True:
-        current = config()
+        current, client = config(), session()
         registry.prune()
-        await asyncio.gather(*(discover(session, r, current) for r in registry))
+        if client is not None:
+            await asyncio.gather(*(discover(client, r, current) for r in registry))
         after_round()
         await asyncio.sleep(current.interval_s)
