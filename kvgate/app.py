@@ -24,7 +24,8 @@ from kvgate.demand import admissible_blocks, ledger_key
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
-from kvgate.replicas import Registry, discovery_loop
+from kvgate.normalize.stage import PromptStage
+from kvgate.replicas import Registry, Scrape, discovery_loop
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Directory
 from kvgate.tokens import TokenizerError
@@ -81,6 +82,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
+        prompts=PromptStage(metrics),
     )
     gateway_box.append(gateway)
     app[GATEWAY] = gateway
@@ -172,8 +174,17 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                 m.vllm_preemptions.labels(replica.id).set(scrape.preemptions or 0)
                 if total and scrape.kv_usage is not None:
                     m.ledger_divergence.labels(replica.id).set(scrape.kv_usage - written / total)
+            m.prefix_cache_hit_ratio.labels(replica.id).set(hit_ratio(scrape))
+        gateway.prompts.export(config)
         _store_gauges(gateway)
         await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def hit_ratio(scrape: Scrape | None) -> float:
+    """A replica's prefix-cache hits ÷ queries since it started; NaN when unknown."""
+    if scrape is None or not scrape.prefix_queries or scrape.prefix_hits is None:
+        return math.nan
+    return scrape.prefix_hits / scrape.prefix_queries
 
 
 def _store_gauges(gateway: Gateway) -> None:

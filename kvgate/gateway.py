@@ -24,6 +24,7 @@ from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import NoReplica, NotFound, PayloadTooLarge
 from kvgate.metrics import Metrics
+from kvgate.normalize.stage import PromptStage
 from kvgate.prediction import OutputPredictor
 from kvgate.replicas import Registry, Replica
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
@@ -62,6 +63,7 @@ class RequestInfo:
     prompt_tokens: int | None = None  # kvgate's estimate of vLLM's count
     reserved_blocks: int | None = None
     charged_tokens: int | None = None  # what the tenant paid in the end
+    fingerprint: str | None = None  # the normalized prefix's (tools + system prompt)
 
 
 @dataclass(slots=True)
@@ -75,6 +77,7 @@ class Gateway:
     store: StateStore
     metrics: Metrics
     calibration: Calibration
+    prompts: PromptStage
     predictor: OutputPredictor = field(default_factory=OutputPredictor)
     policy: RoutingPolicy = field(default_factory=LeastLoaded)
 
@@ -90,6 +93,10 @@ class Gateway:
         info.tenant = tenant.name
         check_access(tenant, parsed.model)
         self.require_model(rt, parsed.model)
+
+        # normalize the prompt: counted, fingerprinted and forwarded as normalized
+        parsed, fingerprint = self.prompts.apply(parsed, tenant, rt.config)
+        info.fingerprint = fingerprint  # the prefix-affinity key
 
         # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
