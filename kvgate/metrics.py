@@ -180,8 +180,8 @@ class Metrics:
             registry=r,
         )
         self.normalization_changed_bytes = Counter(
-            "kvgate_normalization_changed_bytes", "Bytes of prompt the rule changed (the span "
-            "that differs in each edited text, or the bytes moved).", ["rule"], registry=r,
+            "kvgate_normalization_changed_bytes", "Bytes of prompt the rule changed: removed "
+            "or added, the span that differs when only the order changed, or moved.", ["rule"], registry=r,
         )
         self.normalization_changed_tokens = Counter(
             "kvgate_normalization_changed_tokens", "Estimated tokens the rule changed (changed "

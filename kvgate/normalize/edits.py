@@ -31,10 +31,14 @@ def estimated_tokens(changed_bytes: int) -> int:
 
 
 def changed_bytes(before: str, after: str) -> int:
-    """The size in UTF-8 of the span that differs between two texts: what lies between
-    their common beginning and their common end, on the longer side."""
+    """How much of a text changed, in UTF-8 bytes: the bytes removed or added (most rules
+    only delete), or, when the size stays the same (keys reordered), the span that differs —
+    what lies between the common beginning and the common end."""
     if before == after:
         return 0
+    grown = len(after.encode()) - len(before.encode())
+    if grown:
+        return abs(grown)
     start = _common_prefix(before, after)
     end = _common_suffix(before[start:], after[start:])
     return max(len(before[start:len(before) - end].encode()),
