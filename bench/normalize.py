@@ -54,23 +54,28 @@ def per_request_us(call: Callable[[], object], batches: int, batch: int) -> floa
 
 
 def cost(batches: int, batch: int) -> list[tuple[str, float]]:
-    tenant = TenantConfig(name="bench")
     rows = []
     for label, normalization in [("safe rules (default)", {}), ("safe + relocation", RELOCATE)]:
-        config = config_for("http://127.0.0.1:1", normalization)
-        stage = PromptStage(Metrics())
-        clean = parsed_chat(clean_chats(1)[0])
-        noisy = [parsed_chat(body) for body in noisy_chats(batch, seed=3)]
-        rows.append((f"{label}: request needing no edit",
-                     per_request_us(lambda: stage.apply(clean, tenant, config), batches, batch)))
-        noisy_iter = iter(noisy * (batches + 2))
-        rows.append((f"{label}: noisy request",
-                     per_request_us(lambda: stage.apply(next(noisy_iter), tenant, config),
-                                    batches, batch)))
+        rows += stage_cost(label, normalization, batches, batch)
     raw = orjson.dumps(clean_chats(1)[0])
     rows.append(("for scale: parse_body of the same request",
                  per_request_us(lambda: parse_body(raw, Endpoint.CHAT), batches, batch)))
     return rows
+
+
+def stage_cost(label: str, normalization: dict[str, Any], batches: int, batch: int
+               ) -> list[tuple[str, float]]:  # fmt: skip
+    tenant = TenantConfig(name="bench")
+    config = config_for("http://127.0.0.1:1", normalization)
+    stage = PromptStage(Metrics())
+    clean = parsed_chat(clean_chats(1)[0])
+    noisy = iter([parsed_chat(body) for body in noisy_chats(batch, seed=3)] * (batches + 2))
+    return [
+        (f"{label}: request needing no edit",
+         per_request_us(lambda: stage.apply(clean, tenant, config), batches, batch)),
+        (f"{label}: noisy request",
+         per_request_us(lambda: stage.apply(next(noisy), tenant, config), batches, batch)),
+    ]
 
 
 def parsed_chat(body: dict[str, Any]) -> ParsedRequest:
