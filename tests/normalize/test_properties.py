@@ -76,7 +76,8 @@ def parse(raw: bytes) -> Any:
     return parse_body(orjson.dumps(data["body"]), endpoint)
 
 
-PROPERTY = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=400, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY
