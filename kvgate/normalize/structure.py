@@ -29,10 +29,11 @@ def canonical_json(body: Body, context: Context) -> Body:
         if isinstance(value, list) and value:
             out = _canonical_list(out, field, value, tally)
     value = body.get("response_format")
-    if isinstance(value, dict):
+    before = _dumps(value) if isinstance(value, dict) else None
+    if before is not None:  # (None: nested deeper than JSON encoders go; the counter says so)
         canonical = _sorted(value, keep_properties=True)
-        before, after = _dumps(value), _dumps(canonical)
-        if before is not None and after is not None and before != after:
+        after = orjson.dumps(canonical)
+        if before != after:
             tally.add("canonical_json", 1, changed_bytes(before.decode(), after.decode()))
             out = {**out, "response_format": canonical}
     return out
@@ -112,7 +113,8 @@ def merge_system(body: Body, context: Context) -> Body:
     for message in messages:
         previous = out[-1] if out else None
         if _mergeable(message) and previous is not None and _mergeable(previous):
-            text = _text(previous) + "\n\n" + _text(message)
+            # an empty text adds no blank line: the result must be as clean as its parts
+            text = "\n\n".join(t for t in (_text(previous), _text(message)) if t)
             out[-1] = {"role": "system", "content": text}
             merged += 1
             context.tally.add("merge_system", 1, len(_text(message).encode()) + 2)
@@ -137,7 +139,7 @@ def _text(message: dict[str, Any]) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
+    if isinstance(content, list):  # empty parts dropped: they would only add blank lines
         return "\n".join(p["text"] for p in content if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))
+                         and isinstance(p.get("text"), str) and p["text"])
     return ""

@@ -67,6 +67,11 @@ def test_consecutive_system_messages_merge_with_a_blank_line():
     assert result.tally.edits == {"merge_system": 1}
 
 
+def test_merging_an_empty_system_message_adds_no_blank_lines():
+    parsed = chat(system(""), system("s"), system(""), user("u"))
+    assert run(parsed, "merge_system").request.messages == [system("s"), user("u")]
+
+
 def test_a_system_message_with_a_name_is_never_merged():
     parsed = chat(system("s1"), {"role": "system", "content": "s2", "name": "policy"}, user("u"))
     assert run(parsed, "merge_system").request is parsed
