@@ -24,8 +24,8 @@ from kvgate.demand import admissible_blocks, ledger_key
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
-from kvgate.normalize.stage import PromptStage
-from kvgate.replicas import Registry, Scrape, discovery_loop
+from kvgate.normalize.stage import PromptStage, hit_ratio
+from kvgate.replicas import Registry, discovery_loop
 from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Directory
 from kvgate.tokens import TokenizerError
@@ -79,10 +79,10 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         relay=Relay(None, config.timeouts),  # its session is opened in _services
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
+        prompts=PromptStage(metrics),
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
-        prompts=PromptStage(metrics),
     )
     gateway_box.append(gateway)
     app[GATEWAY] = gateway
@@ -174,17 +174,9 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                 m.vllm_preemptions.labels(replica.id).set(scrape.preemptions or 0)
                 if total and scrape.kv_usage is not None:
                     m.ledger_divergence.labels(replica.id).set(scrape.kv_usage - written / total)
-            m.prefix_cache_hit_ratio.labels(replica.id).set(hit_ratio(scrape))
-        gateway.prompts.export(config)
         _store_gauges(gateway)
+        _prompt_gauges(gateway)
         await asyncio.sleep(GAUGE_INTERVAL_S)
-
-
-def hit_ratio(scrape: Scrape | None) -> float:
-    """A replica's prefix-cache hits ÷ queries since it started; NaN when unknown."""
-    if scrape is None or not scrape.prefix_queries or scrape.prefix_hits is None:
-        return math.nan
-    return scrape.prefix_hits / scrape.prefix_queries
 
 
 def _store_gauges(gateway: Gateway) -> None:
@@ -201,6 +193,17 @@ def _store_gauges(gateway: Gateway) -> None:
         value = getattr(store, attribute, None)
         if isinstance(value, int | float):
             gauge.labels(backend).set(value)
+
+
+def _prompt_gauges(gateway: Gateway) -> None:
+    """The prompt fingerprints' gauges, and beside them each replica's scraped prefix-cache
+    hit ratio (what normalization is for)."""
+    config, m = gateway.runtime.config, gateway.metrics
+    for replica in gateway.registry:
+        scrape = replica.fresh_scrape(config.discovery.stale_after_s)
+        hits, queries = (scrape.prefix_hits, scrape.prefix_queries) if scrape else (None, None)
+        m.prefix_cache_hit_ratio.labels(replica.id).set(hit_ratio(hits, queries))
+    gateway.prompts.export(config)
 
 
 def reload(app: web.Application, load: Callable[[], Config]) -> bool:

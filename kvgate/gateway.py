@@ -74,10 +74,10 @@ class Gateway:
     relay: Relay
     admission: Admission
     budgets: Budgets
+    prompts: PromptStage  # normalization, fingerprints, drift
     store: StateStore
     metrics: Metrics
     calibration: Calibration
-    prompts: PromptStage
     predictor: OutputPredictor = field(default_factory=OutputPredictor)
     policy: RoutingPolicy = field(default_factory=LeastLoaded)
 

@@ -8,6 +8,7 @@ per config version, model and tenant.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -118,3 +119,10 @@ def resolve(base: NormalizationConfig, *overrides: NormalizationOverride | None
         patterns=compile_patterns(relocate),
         target=relocate.target,
     )
+
+
+def hit_ratio(hits: float | None, queries: float | None) -> float:
+    """A replica's prefix-cache hits ÷ queries (vLLM counts both in tokens); NaN unknown."""
+    if hits is None or not queries:
+        return math.nan
+    return hits / queries
