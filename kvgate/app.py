@@ -24,6 +24,7 @@ from kvgate.dns import dns_loop
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
+from kvgate.normalize.stage import PromptStage
 from kvgate.replicas import Registry, discovery_loop
 from kvgate.routing.health import STATE_VALUE, Breakers
 from kvgate.routing.router import Router, scorers_for
@@ -88,6 +89,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         relay=Relay(None, config.timeouts),  # its session is opened in _services
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
+        prompts=PromptStage(metrics),
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
@@ -174,6 +176,8 @@ async def _refresh_gauges(gateway: Gateway) -> None:
             m.scrape_age.labels(view.id).set(age)
             usage = view.kv_usage if view.kv_usage is not None else math.nan
             m.vllm_kv_usage.labels(view.id).set(usage)
+            hit_rate = view.prefix_hit_rate if view.prefix_hit_rate is not None else math.nan
+            m.prefix_cache_hit_ratio.labels(view.id).set(hit_rate)
             scrape = view.replica.scrape
             if view.scraped and scrape is not None:
                 m.vllm_waiting.labels(view.id).set(view.waiting or 0)
@@ -189,6 +193,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                         view.kv_usage - view.written_blocks / total
                     )
         _store_gauges(gateway)
+        gateway.prompts.export(gateway.runtime.config)  # the prompt fingerprints' gauges
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
