@@ -92,3 +92,17 @@ def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
     hint = top_hint("http://127.0.0.1:8080")
     assert "kvgate demo --port 8080" in hint
     assert "kvgate top --url http://127.0.0.1:8080 --once" in hint
+
+
+def test_demo_plot_writes_the_kv_lines_and_the_ttft_cdfs(tmp_path, capsys):
+    code = main(["demo", "--workload", "--json", "--duration", "2", "--rate", "30",
+                 "--time-scale", "0.5", "--seed", "3", "--plot", str(tmp_path)])
+    assert code == 0
+    for name in ("kv-normal-a.png", "ttft-cdf.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
+
+
+def test_demo_plot_needs_the_workload(tmp_path, capsys):
+    assert main(["demo", "--plot", str(tmp_path)]) == 2
+    assert "--plot needs --workload" in capsys.readouterr().err

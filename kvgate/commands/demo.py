@@ -19,12 +19,15 @@ import contextlib
 import hashlib
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from kvgate.api.routes import GATEWAY
 from kvgate.app import build_app
+from kvgate.commands import demo_plot
 from kvgate.config import Config, parse_config
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
@@ -57,6 +60,8 @@ COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst",
 # The workload's chats carry a timestamp in their system prompt: relocate it (the safe rules
 # are on anyway). `predicted_raw` runs with normalization off.
 NORMALIZATION = {"rules": {"relocate_dynamic": True}, "relocate": {"patterns": ["timestamp"]}}
+# The replica `--plot` draws the KV lines of.
+PLOTTED = "normal-a"
 
 
 def _with_keys(tenant: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated GPU speed: real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--plot", metavar="DIR", type=Path,
+                        help="with --workload: write PNGs there (one replica's KV lines over "
+                             "time, TTFT CDFs with and without admission; needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +94,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.plot and not args.workload:
+        print("kvgate demo: --plot needs --workload", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvgate demo: --plot needs matplotlib (pip install 'kvgate[plot]')",
+                  file=sys.stderr)
+            return 2
     tokenizer = await asyncio.to_thread(load_tiktoken)
     if not args.workload:
         fleet = await start_fleet(tokenizer, args.time_scale)
@@ -119,6 +137,8 @@ async def _main(args: argparse.Namespace) -> int:
     targets = {"short": [fleet["normal-a"].url, fleet["normal-b"].url], "long": [fleet["long"].url]}
     results = await run_workload("", items, targets=targets, tenant_header=None)
     report["no_admission"] = column(results, fleet, args)
+    ttfts = {COLUMNS["no_admission"]: short_ttfts(results, args.time_scale)}
+    kv_samples: list[demo_plot.KvSample] = []
     await stop_fleet(fleet)
 
     for column_key in ("worst_case", "predicted_raw", "predicted"):
@@ -129,17 +149,35 @@ async def _main(args: argparse.Namespace) -> int:
         fleet = await start_fleet(tokenizer, args.time_scale)
         normalization = {"enabled": False} if raw else NORMALIZATION
         runner, url = await start_gateway(gateway_config(fleet, 0, mode, normalization))
+        recorder = None
+        if args.plot and column_key == "predicted":
+            recorder = asyncio.get_running_loop().create_task(demo_plot.record_kv(
+                runner.app[GATEWAY], PLOTTED, fleet[PLOTTED], args.time_scale, kv_samples))
         results = await run_workload(url, items)
+        if recorder is not None:
+            recorder.cancel()
+            await asyncio.gather(recorder, return_exceptions=True)
         report[column_key] = column(results, fleet, args)
+        if not raw:
+            ttfts[COLUMNS[column_key]] = short_ttfts(results, args.time_scale)
         await runner.cleanup()
         await stop_fleet(fleet)
 
+    if args.plot:
+        for path in demo_plot.plot(args.plot, PLOTTED, kv_samples, ttfts):
+            say(f"wrote {path}")
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         print(render(report))
     say(top_hint(f"http://127.0.0.1:{args.port or 8080}"))
     return 0
+
+
+def short_ttfts(results: list[Any], time_scale: float) -> list[float | None]:
+    """Short requests' TTFTs in simulated seconds; None for those that never got a token."""
+    scale = time_scale or 1.0
+    return [None if r.ttft_s is None else r.ttft_s / scale for r in results if r.kind != "long"]
 
 
 def top_hint(url: str) -> str:
@@ -214,8 +252,6 @@ async def start_gateway(config: Config) -> tuple[web.AppRunner, str]:
 
 
 async def _until_discovered(app: web.Application) -> None:
-    from kvgate.api.routes import GATEWAY
-
     registry = app[GATEWAY].registry
     for _ in range(200):
         if all(r.healthy and r.num_gpu_blocks for r in registry):
