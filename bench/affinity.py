@@ -40,11 +40,10 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.app import build_app
+from kvgate.commands.demo import start_gateway
 from kvgate.config import parse_config
 from kvgate.replicas import parse_vllm_metrics
 from kvgate.sim.config import SimConfig
@@ -114,24 +113,6 @@ async def converse(
     return ok, failed
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
-async def discovered(gateway: Any, replicas: int, timeout_s: float = 20.0) -> None:
-    """Until discovery has found every replica healthy with a known capacity."""
-    deadline = time.monotonic() + timeout_s
-    while sum(1 for r in gateway.registry if r.healthy and r.num_gpu_blocks) < replicas:
-        if time.monotonic() > deadline:
-            raise RuntimeError("replicas not discovered in time")
-        await asyncio.sleep(0.02)
-
-
 async def run_once(
     contender: str, *, replicas: int, chats: int, turns: int, doc_words: int, seed: int,
     time_scale: float = 0.02, sim: dict[str, Any] | None = None,
@@ -151,8 +132,9 @@ async def run_once(
     routing = CONTENDERS[contender]
     if routing:
         tree["routing"] = routing
-    app = build_app(parse_config(tree))
-    runner, url = await serve(app)
+    tree["server"] = {"port": 0}
+    runner, url = await start_gateway(parse_config(tree))  # listening, replicas discovered
+    app = runner.app
     from kvgate.api.routes import GATEWAY
 
     gateway = app[GATEWAY]
@@ -160,7 +142,6 @@ async def run_once(
     watch_admissions(gateway, replicas, at_admission)
     router = None
     try:
-        await discovered(gateway, replicas)
         if routing is None:
             router, url = await start_vllm_router([s.url for s in sims])
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
