@@ -12,7 +12,6 @@ timeout, client disconnect, cancellation — releases it exactly once.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import os
@@ -33,16 +32,15 @@ from kvgate.errors import (
     NeverFits,
     NoReplica,
     NotFound,
-    PayloadTooLarge,
-    RequestTimeout,
     ServerError,
     UpstreamError,
     UpstreamTimeout,
 )
 from kvgate.metrics import Metrics
+from kvgate.normalize.stage import PromptStage
 from kvgate.prediction import OutputPredictor
 from kvgate.replicas import Registry, Replica, Writing
-from kvgate.requests import Endpoint, ParsedRequest, parse_request
+from kvgate.requests import Endpoint, ParsedRequest, parse_request, read_body
 from kvgate.routing.fleet import Fleet
 from kvgate.routing.health import Breakers
 from kvgate.routing.pools import choose_pool, overflow_chain
@@ -84,6 +82,7 @@ class RequestInfo:
     worst_case_blocks: int | None = None
     queue_wait_s: float | None = None  # time waiting for KV capacity, when admitted
     ttft_s: float | None = None  # arrival to the first streamed token
+    fingerprint: str | None = None  # the normalized prefix's (tools + system prompt)
 
 
 @dataclass(slots=True)
@@ -94,6 +93,7 @@ class Gateway:
     relay: Relay
     admission: Admission
     budgets: Budgets
+    prompts: PromptStage  # normalization, fingerprints, drift
     store: StateStore
     metrics: Metrics
     calibration: Calibration
@@ -117,6 +117,10 @@ class Gateway:
         check_access(tenant, parsed.model)
         self.require_model(rt, parsed.model)
 
+        # normalize the prompt: counted, fingerprinted and forwarded as normalized
+        parsed, fingerprint = self.prompts.apply(parsed, tenant, rt.config)
+        info.fingerprint = fingerprint  # the prefix-affinity key
+
         # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
         terms = self.terms(parsed, count)  # what vLLM will count, from what kvgate counted
@@ -135,7 +139,8 @@ class Gateway:
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
         route = Route(
             demand, session_key(parsed, request.headers, rt.config.routing.sessions),
-            prefix=demand.prefix_key,
+            # the normalized system prompt and tools; else the first message's text
+            prefix=fingerprint or demand.prefix_key,
         )
 
         # charge the tenant, then admit, forward and settle on every ending
@@ -478,27 +483,6 @@ def max_model_len(model: str, fleet: Fleet, pool: str) -> int | None:
         if v.routable and model in v.models and (n := v.max_model_len(model)) is not None
     ]
     return max(lengths) if lengths else None
-
-
-async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
-    """The whole body, at most `limit` bytes, within `timeout_s` (a body that trickles in
-    would hold its connection and its handler as long as the client likes)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
-    chunks = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_chunked(65536):
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g}s", headers={"Connection": "close"}
-        ) from None
-    return b"".join(chunks)
 
 
 REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)

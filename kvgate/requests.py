@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from kvgate import schema
-from kvgate.errors import BadRequest
+from kvgate.errors import BadRequest, PayloadTooLarge, RequestTimeout
 
 # No model has a context this long; a larger max_tokens is a client bug, not a request.
 ABSURD_MAX_TOKENS = 10_000_000
@@ -213,3 +214,24 @@ def _check_prompt(prompt: Any) -> None:
 
 def _token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, at most `limit` bytes, within `timeout_s` (a body that trickles in
+    would hold its connection and its handler as long as the client likes)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    chunks = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_chunked(65536):
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g}s", headers={"Connection": "close"}
+        ) from None
+    return b"".join(chunks)
