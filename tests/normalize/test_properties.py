@@ -42,8 +42,15 @@ json_values = st.recursive(
                             st.dictionaries(st.sampled_from("abcdef"), inner, max_size=4)),
     max_leaves=10,
 )
-tools = st.lists(st.dictionaries(st.sampled_from(["type", "function", "name", "x"]), json_values,
-                                 min_size=1, max_size=4), max_size=3)
+json_objects = st.dictionaries(st.sampled_from("abcdef"), json_values, max_size=4)
+# Tools as the OpenAI API shapes them (kvgate refuses others before normalizing), with
+# arbitrary JSON where the API allows it.
+tools = st.lists(st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"])},
+        optional={"parameters": json_objects, "description": texts})},
+    optional={"x": json_values},
+), max_size=3)
 rule_names: list[RuleName] = [r.name for r in RULES]
 pipelines = st.builds(
     lambda rules, keep, target: Settings.of(
@@ -63,9 +70,10 @@ def requests(draw: st.DrawFn) -> bytes:
         if draw(st.booleans()):
             body["tools"] = draw(tools)
         if draw(st.booleans()):
-            body["response_format"] = {"type": "json_schema", "json_schema": draw(json_values)}
+            body["response_format"] = {"type": "json_schema", "json_schema": draw(json_objects)}
         return orjson.dumps({"endpoint": "chat", "body": body})
-    body["prompt"] = draw(st.one_of(texts, st.lists(texts, min_size=1, max_size=3),
+    prompts = texts.filter(bool)  # an empty prompt is refused before normalizing
+    body["prompt"] = draw(st.one_of(prompts, st.lists(prompts, min_size=1, max_size=3),
                                     st.lists(st.integers(0, 9), min_size=1, max_size=3)))
     return orjson.dumps({"endpoint": "completions", "body": body})
 
