@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import aiohttp
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleetbench.processes import Children, free_port  # noqa: E402
+from fleetbench.processes import Children, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
@@ -68,6 +69,18 @@ def rss_mib(pid: int) -> float:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def sockets_by_peer(pid: int, port: int) -> dict[str, int]:
+    """kvgate's established TCP connections: from clients (to `port`) and to replicas."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True,
+                         text=True, check=False).stdout
+    counts = {"clients": 0, "replicas": 0}
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            local = line.split()[2]
+            counts["clients" if local.endswith(f":{port}") else "replicas"] += 1
+    return counts
 
 
 async def client(
@@ -119,7 +132,7 @@ async def held(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 async def main(args: argparse.Namespace) -> int:
     logs = Path(args.logs)
-    logs.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     ports = [free_port() for _ in range(args.replicas)]
     port = free_port()
     config = {
@@ -163,8 +176,9 @@ async def main(args: argparse.Namespace) -> int:
                 rows.append((elapsed + args.sample_s, rss_mib(pid), open_fds(pid),
                              max(window, default=float("nan")), tally.done, tally.hung_up,
                              sum(tally.errors.values())))
-                print("t=%5.0fs rss=%6.1f MiB fds=%5d lag_max=%.3fs done=%d hung_up=%d "
-                      "errors=%d" % rows[-1], flush=True)
+                t, rss, fds, lag, done, hung_up, errors = rows[-1]
+                print(f"t={t:5.0f}s rss={rss:6.1f} MiB fds={fds:5.0f} lag_max={lag:.3f}s "
+                      f"done={done} hung_up={hung_up} errors={errors}", flush=True)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -172,7 +186,7 @@ async def main(args: argparse.Namespace) -> int:
         leftover = await held(http, url)
         await http.close()  # the clients' keep-alive connections too
         await asyncio.sleep(2)
-        after = (rss_mib(pid), open_fds(pid))
+        after = (rss_mib(pid), open_fds(pid), sockets_by_peer(pid, port))
         probe.terminate()
         await probe.wait()
         probing.cancel()
@@ -181,7 +195,7 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace, rows: list[tuple[float, ...]], tally: Tally,
-           leftover: dict[str, float], after: tuple[float, int]) -> None:  # fmt: skip
+           leftover: dict[str, float], after: tuple[float, int, dict[str, int]]) -> None:  # fmt: skip
     lines = [
         f"# Soak: {args.clients} streaming clients, {args.duration:g} s, {args.replicas} "
         f"simulated replicas, {args.disconnect:.0%} hang up after the first chunk",
@@ -191,7 +205,10 @@ def report(args: argparse.Namespace, rows: list[tuple[float, ...]], tally: Tally
         *(f"| {t:.0f} | {rss:.1f} | {fds:.0f} | {lag:.3f} | {d:.0f} | {h:.0f} | {e:.0f} |"
           for t, rss, fds, lag, d, h, e in rows),
         "",
-        f"After the clients stopped: RSS {after[0]:.1f} MiB, {after[1]} fds; reserved blocks "
+        f"After the clients stopped: RSS {after[0]:.1f} MiB, {after[1]} fds (TCP connections: "
+        f"{after[2]['clients']} from clients (the probe), {after[2]['replicas']} kept alive to "
+        "replicas, "
+        f"closed after upstream.keepalive_s idle); reserved blocks "
         f"{leftover['reserved_blocks']:.0f}, in flight {leftover['inflight']:.0f}, queued "
         f"{leftover['queued']:.0f}. Errors by kind: {tally.errors or 'none'}.",
         "",

@@ -22,6 +22,10 @@ from kvgate.state.base import BucketLimit, BucketState
 # Expired bindings and full buckets are dropped in a sweep once the table has doubled since the
 # last one, so the tables stay proportional to what is live (sessions come and go).
 _MIN_SWEEP_SIZE = 1024
+# Session bindings live ttl_s (30 min by default) and every new conversation, `user` or
+# X-Session-Id makes one: without a bound, one client inventing keys grows the process by
+# ~250 bytes a request for half an hour. Beyond this many, the least recently bound goes.
+MAX_BINDINGS = 100_000
 
 
 @dataclass(slots=True)
@@ -70,8 +74,11 @@ def check_limit(limit: BucketLimit) -> None:
 class MemoryStore:
     backend = "memory"
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, max_bindings: int = MAX_BINDINGS
+    ) -> None:
         self._clock = clock
+        self.max_bindings = max_bindings
         self._pools: dict[str, dict[str, _Lease]] = {}
         self._buckets: dict[str, _Bucket] = {}
         self._bindings: dict[str, tuple[str, float]] = {}
@@ -184,6 +191,9 @@ class MemoryStore:
         if current is None or current == value or (replace is not None and current == replace):
             if current is None and len(self._bindings) >= self._sweep_bindings_at:
                 self._sweep_bindings(now)
+            self._bindings.pop(key, None)  # re-inserted last: the order is recency of binding
+            while len(self._bindings) >= self.max_bindings:
+                del self._bindings[next(iter(self._bindings))]
             self._bindings[key] = (value, now + ttl_s)
             return value
         return current

@@ -99,3 +99,18 @@ async def test_expired_bindings_and_full_buckets_do_not_accumulate(
         clock.now += 0.01
     assert len(store._bindings) < 2_100
     assert len(store._buckets) < 2_100
+
+
+async def test_live_bindings_are_bounded_and_the_least_recently_bound_goes_first(
+    clock: FakeClock,
+) -> None:
+    """A client inventing a session key per request cannot grow the store for ttl_s."""
+    store = MemoryStore(clock, max_bindings=3)
+    for key in ("a", "b", "c"):
+        await store.bind(key, "r1", 1800.0)
+    await store.bind("a", "r1", 1800.0)  # used again: now the most recent
+    await store.bind("d", "r2", 1800.0)
+    assert [await store.lookup(k) for k in ("a", "b", "c", "d")] == ["r1", None, "r1", "r2"]
+    for i in range(1000):
+        await store.bind(f"invented-{i}", "r1", 1800.0)
+    assert len(store._bindings) == 3
