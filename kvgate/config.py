@@ -363,6 +363,13 @@ class Config(_Model):
             for pool_name in tenant.pools or ():
                 if pool_name not in self.pools:
                     problems.append(f"tenants.{tenant.name}.pools: no pool named {pool_name!r}")
+        hold = self.routing.sessions.affinity_wait_s
+        shortest = min(self.admission.queue.budget(c) for c in PRIORITY_CLASSES)
+        if hold and hold >= shortest:
+            problems.append(
+                f"routing.sessions.affinity_wait_s: {hold:g}s must be shorter than the shortest "
+                f"queue wait budget ({shortest:g}s), or a session's request times out waiting"
+            )
         if problems:
             raise ValueError(_CROSS_REFERENCES + "\n".join(problems))
         return self
