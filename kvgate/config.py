@@ -231,7 +231,8 @@ class SessionsConfig(_Model):
 
 class RetryConfig(_Model):
     """A request whose replica failed before any byte reached the client is sent once more to
-    another replica (never after streaming began); its reservation moves with it."""
+    another replica (never after streaming began): its blocks are given back on the first and
+    reserved on the second (it may wait there like any request); the tenant is charged once."""
 
     attempts: int = Field(1, ge=0, le=5)  # extra attempts; 0: never retry
     on_timeout: bool = False  # also after first_byte_s passed (the replica may still be working)

@@ -162,7 +162,8 @@ class Gateway:
     ) -> web.StreamResponse:
         """Admit on the router's best replica with room and forward. If that replica fails
         before any byte reached the client, release it and go once more elsewhere (the
-        reservation moves with the request); each attempt appends its `Outcome`."""
+        blocks are reserved again there; the tenant is charged once); each attempt appends its
+        `Outcome`, and the last is what the tenant pays for."""
         info: RequestInfo = request[REQUEST_INFO]
         failed: ServerError | None = None
         try:
