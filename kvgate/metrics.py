@@ -7,6 +7,8 @@ gateways can run in one process (as the tests do).
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -258,6 +260,15 @@ class Metrics:
         if step > 0:
             child.inc(step)
         self._mirrored[key] = total
+
+    def forget_replica(self, replica: str, pool: str) -> None:
+        """Remove every per-replica series of a replica that left the fleet."""
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", None)
+            values = {"replica": replica, "pool": pool}
+            if names and set(names) <= values.keys() and "replica" in names:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*(values[n] for n in names))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
