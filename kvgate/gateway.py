@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kvgate.admission import Admission, Ranker
 from kvgate.calibration import Calibration, Terms
-from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_body
+from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_payload
 from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import (
@@ -142,7 +142,8 @@ class Gateway:
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             try:
                 return await self.serve(
-                    request, rt, parsed, bound, route, charge, outcomes, arrival=fleet
+                    request, rt, parsed, bound, route, charge, outcomes,
+                    arrival=fleet, payload=upstream_payload(parsed, bound, raw),
                 )
             finally:
                 await self.settle(charge, parsed, count, bound, outcomes[-1], info)
@@ -156,6 +157,8 @@ class Gateway:
         route: Route,
         charge: Charge,
         outcomes: list[Outcome],
+        *,
+        payload: bytes,
         arrival: Fleet | None = None,
     ) -> web.StreamResponse:
         """Admit on the router's best replica with room and forward. If that replica fails
@@ -178,7 +181,7 @@ class Gateway:
                     demand = route.demand
                     writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
                     return await self.forward(
-                        request, rt, parsed, bound, slot, charge, outcome, writing
+                        request, rt, parsed, bound, slot, charge, outcome, writing, payload
                     )
             except (NoReplica, NeverFits):
                 if failed is not None:  # nowhere else to go: the replica's own failure stands
@@ -304,6 +307,7 @@ class Gateway:
         charge: Charge,
         outcome: Outcome,
         writing: Writing,
+        payload: bytes,
     ) -> web.StreamResponse:
         info: RequestInfo = request[REQUEST_INFO]
         replica = slot.replica
@@ -323,7 +327,7 @@ class Gateway:
             return await self.relay.forward(
                 request,
                 parsed.endpoint.value,
-                upstream_body(parsed, bound),
+                payload,  # the client's bytes, or its body as kvgate edited it
                 upstream_headers(
                     request.headers, info.request_id, replica,
                     drop_authorization=rt.config.auth.mode != "none",
