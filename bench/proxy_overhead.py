@@ -516,6 +516,11 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
         "",
         *skipped,
         "",
+        *[f"- {name}: Redis round trips (pipelines) / calls (scripts) per non-streamed request: "
+          + ", ".join(f"c{t['concurrency']} {t['round_trips_per_request']} / "
+                      f"{t['calls_per_request']}" for t in trips)
+          for name, trips in args.trips.items()],
+        "",
         "## Every cell",
         "",
         "| workload | C | contender | req/s | p50 ms | p99 ms | TTFB p50 ms | proxy CPU ms/req "
@@ -556,7 +561,12 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
     def cpu() -> dict[str, float]:
         return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
 
-    cells = []
+    cells: list[Cell] = []
+    for name, url in urls.items():
+        if "redis" in name:
+            args.trips[name] = [await store_trips(url, c, 400 if c == 1 else 3000)
+                                for c in args.concurrency]  # fmt: skip
+            print(f"  {name}: Redis {args.trips[name]}", flush=True)
     plan = [(NON_STREAMED, c) for c in args.concurrency] + [
         (STREAMED, c) for c in args.stream_concurrency
     ]
@@ -578,6 +588,47 @@ def profile(children: Children, roots: dict[str, int], out: Path) -> None:
                 str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
                 "--nonblocking", "--output", str(out / f"{name}.txt"),
             ], "1")  # fmt: skip
+
+
+async def store_trips(url: str, concurrency: int, requests: int) -> dict[str, float]:
+    """Round trips to Redis (pipelines) and calls (scripts) per non-streamed request, from the
+    gateway's own counters (mirrored once a second, hence the pauses)."""
+
+    async def counters(http: aiohttp.ClientSession) -> dict[str, float]:
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+        out = dict.fromkeys(("round_trips", "calls", "requests"), 0.0)
+        for line in text.splitlines():
+            for key, name in (("round_trips", "kvgate_state_store_round_trips_total"),
+                              ("calls", "kvgate_state_store_calls_total"),
+                              ("requests", "kvgate_requests_total")):  # fmt: skip
+                if line.startswith(name):
+                    out[key] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    bodies = NON_STREAMED.bodies()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        await asyncio.sleep(1.2)
+        before = await counters(http)
+        left = list(range(requests))
+
+        async def client() -> None:
+            while left:
+                i = left.pop()
+                async with http.post(url + "/v1/chat/completions", data=bodies[i % len(bodies)],
+                                     headers=HEADERS) as response:  # fmt: skip
+                    await response.read()
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.sleep(1.2)
+        after = await counters(http)
+    done = after["requests"] - before["requests"] or float("nan")
+    return {
+        "concurrency": concurrency,
+        "round_trips_per_request": round((after["round_trips"] - before["round_trips"]) / done, 2),
+        "calls_per_request": round((after["calls"] - before["calls"]) / done, 2),
+    }
 
 
 def clean_redis(prefix: str) -> None:
@@ -611,6 +662,7 @@ def main() -> int:
     args = parser.parse_args()
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     args.run_id = os.urandom(4).hex()
+    args.trips = {}
     args.skipped = {n: why for n in args.contenders if (why := unavailable(n))}
     args.names = ["direct", *(n for n in args.contenders if n != "direct" and n not in args.skipped)]
     if args.ab:
@@ -645,7 +697,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python bench/proxy_overhead.py " + " ".join(sys.argv[1:]),
             "pinned": args.pin, "nproc": os.cpu_count(), "load_before": args.load_before,
-            "skipped": args.skipped, "summary": rows,
+            "skipped": args.skipped, "summary": rows, "redis_round_trips": args.trips,
             "cells": [{**asdict(c), "rate": c.rate} for c in cells],
         }, indent=1) + "\n")  # fmt: skip
     return 1 if any(c.errors for c in cells) else 0

@@ -34,7 +34,7 @@ from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.overcommit import Overcommit
-from kvgate.protect import acquire, finish
+from kvgate.protect import acquire, finish, together
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
 from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
@@ -486,10 +486,13 @@ class Admission:
         now = time.monotonic()
         pool.releases.append(now)
         pool.freed.append((now, slot.reserved_blocks))
-        try:
-            await self._release_lease(key, slot.lease_id)
-            if slot.shared is not None:
-                await self._unshare(slot.shared)
+        try:  # together: one round trip with a pipelining store
+            for outcome in await together(
+                self._release_lease(key, slot.lease_id),
+                None if slot.shared is None else self._unshare(slot.shared),
+            ):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         finally:
             pool.wake.set()
 

@@ -237,6 +237,15 @@ class Metrics:
             "bucket counts) used locally during outages and charged to the shared store when it "
             "returned.", ["backend"], registry=r,
         )
+        self.store_round_trips = Counter(
+            "kvgate_state_store_round_trips", "Round trips to the shared store (one pipeline "
+            "carries every call made in one turn of the event loop).", ["backend"], registry=r,
+        )
+        self.store_calls = Counter(
+            "kvgate_state_store_calls", "Calls to the shared store (one atomic script each), "
+            "sent in the round trips counted by kvgate_state_store_round_trips_total.",
+            ["backend"], registry=r,
+        )
         self.config_reloads = Counter(
             "kvgate_config_reloads", "SIGHUP reloads, by result (ok, refused).", ["result"],
             registry=r,

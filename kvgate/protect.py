@@ -81,6 +81,32 @@ async def acquire(step: Awaitable[T], undo: Callable[[T], Awaitable[object]]) ->
         raise
 
 
+async def together(*steps: Awaitable[Any] | None) -> list[Any]:
+    """Await independent steps so that all start in this turn of the loop (a pipelining store
+    then sends them in one round trip). Returns their results in order, an exception in the
+    place of a step that raised one (never raised here), None for a step that is None. Use
+    it inside `acquire` or `finish`, which carry it on whatever cancellation arrives."""
+    results: list[Any] = []
+    pending: list[tuple[int, asyncio.Future[Any]]] = []
+    for step in steps:
+        if step is None:
+            results.append(None)
+            continue
+        try:
+            task, value = _start(step)
+        except Exception as exc:  # raised before suspending: that step's outcome
+            results.append(exc)
+            continue
+        results.append(value)
+        if task is not None:
+            pending.append((len(results) - 1, task))
+    if pending:
+        ended = await asyncio.gather(*(task for _, task in pending), return_exceptions=True)
+        for (i, _), value in zip(pending, ended, strict=True):
+            results[i] = value
+    return results
+
+
 def _start(step: Awaitable[T]) -> tuple[asyncio.Future[T] | None, T | None]:
     """Run a coroutine up to its first suspension now. Returns (None, its result) when it
     finished there; otherwise (a task that carries it on, None). An exception it raises before

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 # Recently read bindings, so a request retried from the queue every few milliseconds does not
 # read the store each time.
 CACHE_S = 1.0
+# A binding this instance wrote (or confirmed) to the same replica less than this long ago
+# (at most a tenth of its TTL) is not written again: a session's every request wrote the store
+# only to push its TTL on (issue 14). It may so expire up to this much earlier.
+REFRESH_S = 60.0
 CACHE_MAX = 10_000
 MAX_HEADER_KEY = 256
 
@@ -68,6 +72,7 @@ class Sessions:
         self.store = store
         self.metrics = metrics
         self._cache: dict[str, tuple[str | None, float]] = {}
+        self._written: dict[str, tuple[str, float]] = {}  # session -> (replica, when bound)
 
     @staticmethod
     def store_key(session: str) -> str:
@@ -98,6 +103,14 @@ class Sessions:
             result, reason = "new", "unbound"
         elif before != replica_id:
             result, reason = "rebound", why_not(before, fleet)
+        now = time.monotonic()
+        written = self._written.get(session)
+        if (
+            result == "hit" and written is not None and written[0] == replica_id
+            and now - written[1] < min(REFRESH_S, ttl_s / 10)
+        ):  # fmt: skip
+            self.metrics.session_routes.labels(result, reason).inc()
+            return
         try:
             now_bound = await self.store.bind(
                 self.store_key(session), replica_id, ttl_s, replace=before
@@ -107,6 +120,10 @@ class Sessions:
             self.metrics.session_routes.labels(result, "store_error").inc()
             return
         self._remember(session, now_bound, time.monotonic())
+        if now_bound == replica_id:
+            if len(self._written) >= CACHE_MAX:
+                self._written.clear()  # bounded; a forgotten one is written once more
+            self._written[session] = (replica_id, now)
         self.metrics.session_routes.labels(result, reason).inc()
 
     def _remember(self, session: str, replica: str | None, at: float) -> None:
