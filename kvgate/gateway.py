@@ -12,6 +12,7 @@ timeout, client disconnect, cancellation — releases it exactly once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import os
@@ -38,6 +39,7 @@ from kvgate.errors import (
 )
 from kvgate.metrics import Metrics
 from kvgate.prediction import OutputPredictor
+from kvgate.protect import begin, finish
 from kvgate.replicas import Registry, Replica, Writing
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
 from kvgate.routing.fleet import Fleet
@@ -140,13 +142,22 @@ class Gateway:
         outcomes = [Outcome()]  # one per attempt; the last one is what the tenant pays for
         held_at_most = rt.config.admission.queue.max_wait_s + (demand.max_hold_s or 0.0)
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
+            settling: list[asyncio.Future[None]] = []
+
+            def settle_now() -> None:  # the answer is complete: settle beside the release
+                settling.append(begin(self.settle(charge, parsed, count, bound, outcomes[-1], info)))
+
             try:
                 return await self.serve(
                     request, rt, parsed, bound, route, charge, outcomes,
                     arrival=fleet, payload=upstream_payload(parsed, bound, raw),
+                    settle_now=settle_now,
                 )
             finally:
-                await self.settle(charge, parsed, count, bound, outcomes[-1], info)
+                if settling:
+                    await finish(settling[0])
+                else:
+                    await self.settle(charge, parsed, count, bound, outcomes[-1], info)
 
     async def serve(
         self,
@@ -160,6 +171,7 @@ class Gateway:
         *,
         payload: bytes,
         arrival: Fleet | None = None,
+        settle_now: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Admit on the router's best replica with room and forward. If that replica fails
         before any byte reached the client, release it and go once more elsewhere (the
@@ -180,9 +192,14 @@ class Gateway:
                     slot.progress = written_tokens(parsed, bound, outcome, slot.replica)
                     demand = route.demand
                     writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
-                    return await self.forward(
+                    response = await self.forward(
                         request, rt, parsed, bound, slot, charge, outcome, writing, payload
                     )
+                    if settle_now is not None:
+                        # its store calls start now, so the release on leaving the block
+                        # goes in the same round trip (issue 14)
+                        settle_now()
+                    return response
             except (NoReplica, NeverFits):
                 if failed is not None:  # nowhere else to go: the replica's own failure stands
                     raise failed from None

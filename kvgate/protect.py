@@ -81,6 +81,21 @@ async def acquire(step: Awaitable[T], undo: Callable[[T], Awaitable[object]]) ->
         raise
 
 
+def begin(step: Awaitable[T]) -> asyncio.Future[T]:
+    """Start `step` now, eagerly, without waiting for it: a future of its outcome (already
+    done when it never suspended). Await it later with `finish`."""
+    try:
+        task, result = _start(step)
+    except Exception as exc:
+        task = asyncio.get_running_loop().create_future()
+        task.set_exception(exc)
+        return task
+    if task is None:
+        task = asyncio.get_running_loop().create_future()
+        task.set_result(cast(T, result))
+    return task
+
+
 async def together(*steps: Awaitable[Any] | None) -> list[Any]:
     """Await independent steps so that all start in this turn of the loop (a pipelining store
     then sends them in one round trip). Returns their results in order, an exception in the
