@@ -1,26 +1,36 @@
 """Prefix-cache hit rate of multi-turn chats through kvgate's router, against round robin.
 
-Each chat opens with its own document (a few hundred tokens) under one short shared system
+Each chat opens with its own short document (`--doc-words`) under one short shared system
 prompt, then asks `--turns` questions, resending the whole history each turn as chat clients
 do. Simulated replicas (real sockets, in this process) count their own prefix-cache hits; the
 figure is theirs: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the
 fleet, read from each replica's /metrics. Contenders run on fresh replicas, in alternating
 order, `--repeats` times; the ratio is taken within each repeat.
 
-While the chats run, the ledger of every replica is sampled every 10 ms. `over_bound` is the
-most any replica held against its bounded share, max((1 + load_factor) × the pool's reserved
-blocks / replicas): 1.0 is exactly at the bound; a replica may always take one request, so a
-pool holding a few requests can read above it.
+While the chats run through kvgate, the ledger of every replica is read at each admission and
+every 10 ms. `over_bound` is the most the replica that took a request held, as it was
+admitted, against what bounded load allows it, max((1 + load_factor) × the pool's reserved blocks / replicas,
+load_floor × its admissible blocks, one request): 1.0 is exactly at the bound.
+`over_bound_any_time` is the most any replica held in any 10 ms sample: it also counts what
+happens after admission (predicted reservations growing with their answers, other replicas' requests
+finishing), which no placement decision can see. The replicas' KV caches are small enough (1,024 blocks)
+that the chats load them and the bound matters.
 
-    .venv/bin/python bench/affinity.py [--replicas 4] [--chats 64] [--turns 5] [--repeats 3]
-        [--contenders kvgate round_robin least_loaded] [--seed 0] [--json FILE]
+`vllm-router` (the Rust router from PyPI, `pip install -e '.[bench]'`) runs as a process in
+front of the same simulated replicas with its cache_aware policy, when it is installed.
+
+    .venv/bin/python bench/affinity.py [--replicas 4] [--chats 128] [--turns 4] [--repeats 3]
+        [--contenders kvgate round_robin ...] [--seed 0] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
+import shutil
+import socket
 import statistics
 import sys
 import time
@@ -30,22 +40,26 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvgate.app import build_app
+from kvgate.commands.demo import start_gateway
 from kvgate.config import parse_config
 from kvgate.replicas import parse_vllm_metrics
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 
-# Scorers of each contender; "kvgate" is the shipped default (session, prefix, load).
-CONTENDERS: dict[str, dict[str, float] | None] = {
-    "kvgate": None,
-    "round_robin": {"round_robin": 1.0},
-    "least_loaded": {"least_loaded": 1.0},
+# The `routing:` section of each kvgate contender; "kvgate" is the shipped default (session,
+# prefix, load; load_factor 0.25). None: not kvgate (vllm-router's cache_aware policy).
+CONTENDERS: dict[str, dict[str, Any] | None] = {
+    "kvgate": {},
+    "kvgate-load_factor-1": {"load_factor": 1.0},
+    "round_robin": {"scorers": {"round_robin": 1.0}},
+    "least_loaded": {"scorers": {"least_loaded": 1.0}},
+    "vllm-router-cache_aware": None,
 }
+BLOCK = 16
+LARGEST_REQUEST_BLOCKS = 64  # a late turn's prompt and its answer, about
 SYSTEM = "You are a careful analyst. Answer from the document; say so when it does not say."
 WORDS = ["latency", "throughput", "replica", "cache", "block", "tenant", "budget", "queue", "prefix", "session", "token", "decode", "prefill", "scheduler", "memory", "fleet", "request", "answer", "stream", "gateway", "ledger"]
 
@@ -58,9 +72,12 @@ class Result:
     queries: float
     requests: int
     failures: int
-    over_bound: float
+    over_bound: float  # the most, at the moments a request was admitted
+    over_bound_any_time: float  # the most, in any 10 ms sample
     seconds: float
     per_replica: dict[str, float] = field(default_factory=dict)
+    p50_s: float = 0.0  # request latency, wall seconds (the replicas run time-scaled)
+    p99_s: float = 0.0
 
 
 def document(rng: random.Random, words: int) -> str:
@@ -69,7 +86,7 @@ def document(rng: random.Random, words: int) -> str:
 
 async def converse(
     http: aiohttp.ClientSession, url: str, chat: int, turns: int, doc_words: int, seed: int,
-    think_s: float = 0.05,
+    think_s: float = 0.05, latencies: list[float] | None = None,
 ) -> tuple[int, int]:
     """One chat, turn after turn, each resending the history; (requests ok, failures)."""
     rng = random.Random(seed * 10_007 + chat)
@@ -81,8 +98,11 @@ async def converse(
     for turn in range(turns):
         await asyncio.sleep(rng.expovariate(1 / think_s))  # the user reads, then types
         body = {"model": "sim-model", "messages": messages, "max_tokens": 160}
+        sent = time.monotonic()
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
             raw = await resp.read()
+        if latencies is not None:
+            latencies.append(time.monotonic() - sent)
         if resp.status != 200:
             failed += 1
             continue
@@ -93,29 +113,11 @@ async def converse(
     return ok, failed
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
-
-
-async def discovered(gateway: Any, replicas: int, timeout_s: float = 20.0) -> None:
-    """Until discovery has found every replica healthy with a known capacity."""
-    deadline = time.monotonic() + timeout_s
-    while sum(1 for r in gateway.registry if r.healthy and r.num_gpu_blocks) < replicas:
-        if time.monotonic() > deadline:
-            raise RuntimeError("replicas not discovered in time")
-        await asyncio.sleep(0.02)
-
-
 async def run_once(
     contender: str, *, replicas: int, chats: int, turns: int, doc_words: int, seed: int,
     time_scale: float = 0.02, sim: dict[str, Any] | None = None,
 ) -> Result:
-    sims = [SimReplica(SimConfig(**{"num_gpu_blocks": 4096, "max_model_len": 8192,
+    sims = [SimReplica(SimConfig(**{"num_gpu_blocks": 1024, "max_model_len": 8192,
                                     "time_scale": time_scale, "seed": seed + i,
                                     "output_len_dist": "uniform", **(sim or {})}))
             for i in range(replicas)]
@@ -127,21 +129,28 @@ async def run_once(
         "discovery": {"interval_s": 0.2},
         "admission": {"queue": {"max_wait_s": 60, "wait_budget_s": {"standard": 60}}},
     }
-    scorers = CONTENDERS[contender]
-    if scorers is not None:
-        tree["routing"] = {"scorers": scorers}
-    app = build_app(parse_config(tree))
-    runner, url = await serve(app)
+    routing = CONTENDERS[contender]
+    if routing:
+        tree["routing"] = routing
+    tree["server"] = {"port": 0}
+    runner, url = await start_gateway(parse_config(tree))  # listening, replicas discovered
+    app = runner.app
     from kvgate.api.routes import GATEWAY
 
     gateway = app[GATEWAY]
+    at_admission: list[tuple[int, list[int]]] = []
+    watch_admissions(gateway, replicas, at_admission)
+    router = None
     try:
-        await discovered(gateway, replicas)
+        if routing is None:
+            router, url = await start_vllm_router([s.url for s in sims])
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             before = await scrape(http, sims)
             started = time.monotonic()
             samples: list[list[int]] = []
-            work = asyncio.gather(*(converse(http, url, c, turns, doc_words, seed)
+            latencies: list[float] = []
+            work = asyncio.gather(*(converse(http, url, c, turns, doc_words, seed,
+                                             latencies=latencies)
                                     for c in range(chats)))
             task = asyncio.ensure_future(work)
             while not task.done():
@@ -150,10 +159,15 @@ async def run_once(
                 await asyncio.sleep(0.01)
             config = gateway.runtime.config
             admissible = [v.admissible_blocks or 0 for v in gateway.fleet()]
+            if router is not None:
+                samples = []  # not kvgate's: its ledger saw nothing
             outcomes = task.result()
             seconds = time.monotonic() - started
             after = await scrape(http, sims)
     finally:
+        if router is not None:
+            router.terminate()
+            await router.wait()
         await runner.cleanup()
         for s in sims:
             await s.stop()
@@ -163,19 +177,82 @@ async def run_once(
     return Result(
         contender, total_hits / total_queries if total_queries else 0.0, total_hits,
         total_queries, sum(o for o, _ in outcomes), sum(f for _, f in outcomes),
-        over_bound(samples, admissible, config.routing.load_factor), seconds,
+        over_bound(at_admission if router is None else [], admissible,
+                   config.routing.load_factor, config.routing.load_floor),
+        over_bound([(None, s) for s in samples], admissible, config.routing.load_factor,
+                   config.routing.load_floor),
+        seconds,
         {k: round(hits[k] / queries[k], 3) if queries[k] else 0.0 for k in hits},
+        *quantiles(latencies),
     )
 
 
-def over_bound(samples: list[list[int]], admissible: list[int], load_factor: float) -> float:
-    """The most any replica held, in any sample, against its bounded share (replicas of equal
-    capacity here)."""
+def quantiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values) or [0.0]
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return round(pick(0.5), 4), round(pick(0.99), 4)
+
+
+def watch_admissions(gateway: Any, replicas: int, into: list[tuple[int, list[int]]]) -> None:
+    """Record, each time admission places a request, which replica took it and every
+    replica's reserved blocks (the bench's instrument, wrapped around the placement step)."""
+    place = gateway.admission._try_place
+
+    async def placed(*args: Any, **kwargs: Any) -> Any:
+        slot = await place(*args, **kwargs)
+        if slot is not None:
+            reserved = [gateway.admission.reserved.get(f"r{i}", 0) for i in range(replicas)]
+            into.append((int(slot.replica.id.removeprefix("r")), reserved))
+        return slot
+
+    gateway.admission._try_place = placed
+
+
+def over_bound(
+    samples: list[tuple[int | None, list[int]]], admissible: list[int], load_factor: float,
+    load_floor: float,
+) -> float:
+    """The most a replica held against what bounded load allows it (the replicas have equal
+    capacity here): the replica that took the request, at an admission; any, in a sample."""
     worst = 0.0
-    for reserved in samples:
+    for took, reserved in samples:
         share = (1 + load_factor) * sum(reserved) / len(reserved)
-        worst = max(worst, max(reserved) / max(share, 1.0))
+        for i, (held, limit) in enumerate(zip(reserved, admissible, strict=True)):
+            if took is None or i == took:
+                allowed = max(share, load_floor * limit, LARGEST_REQUEST_BLOCKS)
+                worst = max(worst, held / allowed)
     return worst
+
+
+async def start_vllm_router(workers: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """vllm-router with its cache_aware policy in front of `workers`."""
+    command = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
+        "vllm-router")
+    if command is None:
+        raise RuntimeError("vllm-router is not installed (pip install -e '.[bench]')")
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        command, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+        "--policy", "cache_aware", "--prometheus-port", str(free_port()),
+        "--worker-startup-check-interval", "1", "--log-level", "warning",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(300):
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        return process, url
+            await asyncio.sleep(0.1)
+    process.terminate()
+    raise RuntimeError("vllm-router did not become ready")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def scrape(http: aiohttp.ClientSession, sims: list[SimReplica]) -> dict[str, tuple[float, float]]:
@@ -198,14 +275,16 @@ async def main(args: argparse.Namespace) -> list[Result]:
                                     seed=args.seed + repeat)
             results.append(result)
             print(f"repeat {repeat} {contender:>13}: hit rate {result.hit_rate:.3f}  "
-                  f"over bound {result.over_bound:.2f}  ok {result.requests}  "
+                  f"over bound {result.over_bound:.2f} (any time {result.over_bound_any_time:.2f})"
+                  f"  p50 {result.p50_s:.3f}s  "
+                  f"p99 {result.p99_s:.3f}s  ok {result.requests}  "
                   f"failed {result.failures}  {result.seconds:.1f}s", flush=True)
     return results
 
 
 def summary(results: list[Result], contenders: list[str]) -> str:
-    lines = ["| contender | hit rate (median) | × round robin (median of per-repeat ratios) "
-             "| most held vs bounded share | failures |", "|---|---|---|---|---|"]
+    lines = ["| contender | hit rate | × round robin | most held vs bounded share: at admission "
+             "/ any time | latency p50 / p99 (s) | failures |", "|---|---|---|---|---|---|"]
     repeats = max(1, len(results) // max(1, len(contenders)))
     by = {c: [r for r in results if r.contender == c] for c in contenders}
     for c in contenders:
@@ -213,21 +292,28 @@ def summary(results: list[Result], contenders: list[str]) -> str:
         ratios = [r.hit_rate / b.hit_rate for r, b in zip(rows, by.get("round_robin", []), strict=False)
                   if b.hit_rate]
         ratio = f"{statistics.median(ratios):.2f}×" if ratios else "—"
+        bound = "—" if c.startswith("vllm-router") else (
+            f"{max(r.over_bound for r in rows):.2f} / "
+            f"{max(r.over_bound_any_time for r in rows):.2f}")
+        latency = (f"{statistics.median(r.p50_s for r in rows):.3f} / "
+                   f"{statistics.median(r.p99_s for r in rows):.3f}")
         lines.append(f"| {c} | {statistics.median(r.hit_rate for r in rows):.3f} | {ratio} | "
-                     f"{max(r.over_bound for r in rows):.2f} | {sum(r.failures for r in rows)} |")
-    lines.append(f"\n{repeats} repeat(s).")
+                     f"{bound} | {latency} | {sum(r.failures for r in rows)} |")
+    lines.append(f"\nMedians over {repeats} repeat(s); the ratio is the median of per-repeat "
+                 "ratios; bounded share: the most over every admission (or sample) and repeat.")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--chats", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--chats", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--doc-words", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
+                        choices=list(CONTENDERS))
     parser.add_argument("--json", type=Path)
     arguments = parser.parse_args()
     found = asyncio.run(main(arguments))

@@ -79,6 +79,13 @@ class Admission:
         self.overcommit = Overcommit()
         self._growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
 
+    def configure(self, config: AdmissionConfig) -> None:
+        """A reload: queues take the new depth (a shorter one sheds nobody already waiting;
+        it refuses newcomers until it drains below), leases the new TTL."""
+        for pool in self._pools.values():
+            pool.queue.max_depth = config.queue.max_depth
+        self.keeper.ttl_s = config.lease_ttl_s
+
     def snapshot(
         self, replicas: Iterable[Replica], circuit: Callable[[str], str] = lambda _: "closed"
     ) -> Fleet:

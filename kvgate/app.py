@@ -18,14 +18,16 @@ from kvgate.admission import Admission
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.calibration import Calibration
 from kvgate.catalog import Catalog
-from kvgate.config import Config, ConfigError, secret
+from kvgate.config import Config, ConfigError, UpstreamConfig, secret
 from kvgate.demand import ledger_key
+from kvgate.dns import dns_loop
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
+from kvgate.normalize.stage import PromptStage
 from kvgate.replicas import Registry, discovery_loop
 from kvgate.routing.health import STATE_VALUE, Breakers
-from kvgate.routing.router import Router
+from kvgate.routing.router import Router, scorers_for
 from kvgate.routing.scorers import Deps
 from kvgate.routing.sessions import Sessions
 from kvgate.state.base import StateStore
@@ -87,6 +89,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         relay=Relay(None, config.timeouts),  # its session is opened in _services
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
+        prompts=PromptStage(metrics),
         store=store,
         metrics=metrics,
         calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
@@ -104,22 +107,18 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
 async def _services(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     config = gateway.runtime.config
-    upstream = config.upstream
-    connector = aiohttp.TCPConnector(
-        limit=upstream.max_connections,
-        limit_per_host=upstream.max_connections_per_replica,
-        keepalive_timeout=upstream.keepalive_s,
-    )
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    session = client_session(config.upstream)
     gateway.relay.session = session
     start = getattr(gateway.store, "start", None)
     if start is not None:
         await start()
     tasks = [
         _task(discovery_loop(
-            session, gateway.registry, lambda: gateway.runtime.config.discovery,
+            lambda: gateway.relay.session, gateway.registry,
+            lambda: gateway.runtime.config.discovery,
             lambda: gateway.admission.after_discovery(gateway.registry),
         )),
+        _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
@@ -133,7 +132,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await session.close()
+        if gateway.relay.session is not None:
+            await gateway.relay.session.close()
         await gateway.store.close()
 
 
@@ -176,6 +176,8 @@ async def _refresh_gauges(gateway: Gateway) -> None:
             m.scrape_age.labels(view.id).set(age)
             usage = view.kv_usage if view.kv_usage is not None else math.nan
             m.vllm_kv_usage.labels(view.id).set(usage)
+            hit_rate = view.prefix_hit_rate if view.prefix_hit_rate is not None else math.nan
+            m.prefix_cache_hit_ratio.labels(view.id).set(hit_rate)
             scrape = view.replica.scrape
             if view.scraped and scrape is not None:
                 m.vllm_waiting.labels(view.id).set(view.waiting or 0)
@@ -191,6 +193,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                         view.kv_usage - view.written_blocks / total
                     )
         _store_gauges(gateway)
+        gateway.prompts.export(gateway.runtime.config)  # the prompt fingerprints' gauges
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
@@ -214,13 +217,43 @@ def _store_gauges(gateway: Gateway) -> None:
             m.mirror(counter, (backend,), value)
 
 
+def client_session(upstream: UpstreamConfig) -> aiohttp.ClientSession:
+    """The pooled HTTP client towards the replicas."""
+    connector = aiohttp.TCPConnector(
+        limit=upstream.max_connections,
+        limit_per_host=upstream.max_connections_per_replica,
+        keepalive_timeout=upstream.keepalive_s,
+    )
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+
+# Settings read once, when the process starts; a reload that changes them says so.
+RESTART_ONLY = ("server.host", "server.port", "server.drain_s", "state")
+
+
+def restart_only_changes(old: Config, new: Config) -> list[str]:
+    """The restart-only settings that differ between two configs, as dotted paths."""
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    changed = []
+    for path in RESTART_ONLY:
+        a, b = before, after
+        for key in path.split("."):
+            a, b = a[key], b[key]
+        if a != b:
+            changed.append(path)
+    return changed
+
+
 def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     """Load the config again (`load` re-reads the file and applies the command line). A bad
     file is refused (logged) and the old config stays; requests in flight finish under the
-    config they started with."""
+    config they started with. Every setting takes effect, except those in RESTART_ONLY: the
+    log names any of them that changed."""
     gateway = app[GATEWAY]
+    old = gateway.runtime.config
     try:
         config = load()
+        scorers_for(config.routing.scorers, gateway.router.deps)  # refused before any change
         gateway.catalog.configure(config)
     except (ConfigError, TokenizerError) as exc:
         log.error("config reload refused, keeping the old config:\n%s", exc)
@@ -231,12 +264,34 @@ def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     gateway.relay.timeouts = config.timeouts
     gateway.router.configure(config.routing)
     gateway.breakers.forget({r.id for r in gateway.registry})
-    gateway.metrics.config_reloads.labels("ok").inc()
+    gateway.calibration.low = config.calibration.min_ratio
+    gateway.calibration.high = config.calibration.max_ratio
+    gateway.admission.configure(config.admission)
     tasks = app.get(TASKS)
+    if config.upstream != old.upstream and gateway.relay.session is not None:
+        # a new pool of connections for new requests; the old one closes once the requests
+        # using it can have finished
+        retiring = gateway.relay.session
+        gateway.relay.session = client_session(config.upstream)
+        if tasks is not None:
+            tasks.append(_task(_retire(retiring, old.timeouts.total_s)))
     if tasks is not None:
         known = set(gateway.admission.pools())
         for pool in config.pools:
             if pool not in known:
                 tasks.append(_task(gateway.admission.dispatch(pool)))
-    log.info("config reloaded")
+    gateway.metrics.config_reloads.labels("ok").inc()
+    pending = restart_only_changes(old, config)
+    if pending:
+        log.warning("config reloaded; these settings take effect only after a restart: %s",
+                    ", ".join(pending))
+    else:
+        log.info("config reloaded")
     return True
+
+
+async def _retire(session: aiohttp.ClientSession, after_s: float) -> None:
+    try:
+        await asyncio.sleep(after_s)
+    finally:
+        await session.close()

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvgate.normalize.config import NormalizationConfig, NormalizationOverride
+
 PRIORITY_CLASSES = ("critical", "standard", "sheddable")
 PriorityClass = Literal["critical", "standard", "sheddable"]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -155,6 +157,7 @@ class ModelConfig(_Model):
     # Tokens reserved for each non-text content part (an image, audio, a file): their true
     # cost depends on the model's encoder and the input's size, which kvgate cannot see.
     media_part_tokens: int = Field(1024, ge=0)
+    normalization: NormalizationOverride | None = None  # over the global normalization
 
 
 AdmissionMode = Literal["predicted", "worst_case"]
@@ -278,6 +281,7 @@ class TenantConfig(_Model):
     admission_mode: AdmissionMode | None = None  # None: the class's or admission.mode
     models: list[str] | None = None  # None: every model
     pools: list[str] | None = None  # None: every pool
+    normalization: NormalizationOverride | None = None  # over the model's and the global
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -332,6 +336,7 @@ class Config(_Model):
     auth: AuthConfig = AuthConfig()
     tenants: list[TenantConfig] = []
     state: StateConfig = StateConfig()
+    normalization: NormalizationConfig = NormalizationConfig()
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:

@@ -114,6 +114,18 @@ ROWS: dict[str, list[Panel]] = {
               description="Positive: blocks vLLM holds that kvgate does not see. Negative: "
               "kvgate counts more than vLLM holds (shared prefixes, preemptions)."),
     ],
+    "Prompts": [
+        Panel("Normalization edits per second, by rule", (
+            Target(f"sum by (rule) (rate(kvgate_normalization_edits_total[{RATE}]))",
+                   "{{rule}}"),)),
+        Panel("Share of requests the normalizer modified", (
+            Target(f'sum(rate(kvgate_normalization_requests_total{{result="modified"}}[{RATE}]))'
+                   f" / sum(rate(kvgate_normalization_requests_total[{RATE}]))", "modified"),),
+              unit="percentunit"),
+        Panel("System-prompt changes (a deploy that edits a prompt is a step)", (
+            Target("sum by (tenant, model) (kvgate_system_prompt_changes_total)",
+                   "{{tenant}} {{model}}"),)),
+    ],
     "Routing": [
         Panel("Session routes per second (hit, new, rebound by reason)", (
             Target(f"sum by (result, reason) (rate(kvgate_session_routes_total[{RATE}]))",

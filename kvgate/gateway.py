@@ -38,6 +38,7 @@ from kvgate.errors import (
     UpstreamTimeout,
 )
 from kvgate.metrics import Metrics
+from kvgate.normalize.stage import PromptStage
 from kvgate.prediction import OutputPredictor
 from kvgate.protect import begin, finish
 from kvgate.replicas import Registry, Replica, Writing
@@ -86,6 +87,7 @@ class RequestInfo:
     worst_case_blocks: int | None = None
     queue_wait_s: float | None = None  # time waiting for KV capacity, when admitted
     ttft_s: float | None = None  # arrival to the first streamed token
+    fingerprint: str | None = None  # the normalized prefix's (tools + system prompt)
 
 
 @dataclass(slots=True)
@@ -96,6 +98,7 @@ class Gateway:
     relay: Relay
     admission: Admission
     budgets: Budgets
+    prompts: PromptStage  # normalization, fingerprints, drift
     store: StateStore
     metrics: Metrics
     calibration: Calibration
@@ -117,6 +120,10 @@ class Gateway:
         check_access(tenant, parsed.model)
         self.require_model(rt, parsed.model)
 
+        # normalize the prompt: counted, fingerprinted and forwarded as normalized
+        parsed, fingerprint = self.prompts.apply(parsed, tenant, rt.config)
+        info.fingerprint = fingerprint  # the prefix-affinity key
+
         # count tokens, bound the worst case, choose the pool
         count = await self.catalog.count(parsed)
         terms = self.terms(parsed, count)  # what vLLM will count, from what kvgate counted
@@ -135,7 +142,8 @@ class Gateway:
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
         route = Route(
             demand, session_key(parsed, request.headers, rt.config.routing.sessions),
-            prefix=demand.prefix_key,
+            # the normalized system prompt and tools; else the first message's text
+            prefix=fingerprint or demand.prefix_key,
         )
 
         # charge the tenant, then admit, forward and settle on every ending

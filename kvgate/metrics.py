@@ -251,6 +251,47 @@ class Metrics:
             registry=r,
         )
 
+        # Prompt normalization and system-prompt fingerprints (kvgate/normalize/).
+        self.normalization_requests = Counter(
+            "kvgate_normalization_requests", "Requests the normalizer saw, by result (modified, "
+            "unchanged): the share modified is modified / (modified + unchanged).", ["result"],
+            registry=r,
+        )
+        self.normalization_edits = Counter(
+            "kvgate_normalization_edits", "Edits by normalization rule: texts, tool definitions "
+            "or schemas changed, messages moved or merged, values relocated.", ["rule"],
+            registry=r,
+        )
+        self.normalization_changed_bytes = Counter(
+            "kvgate_normalization_changed_bytes", "Bytes of prompt the rule changed: removed "
+            "or added, the span that differs when only the order changed, or moved.", ["rule"], registry=r,
+        )
+        self.normalization_changed_tokens = Counter(
+            "kvgate_normalization_changed_tokens", "Estimated tokens the rule changed (changed "
+            "bytes / 4).", ["rule"], registry=r,
+        )
+        self.normalization_relocations = Counter(
+            "kvgate_normalization_relocations", "Values moved out of the system prompt, by "
+            "configured pattern.", ["pattern"], registry=r,
+        )
+        self.fingerprint_requests = Gauge(
+            "kvgate_prompt_fingerprint_requests", "Requests per prefix fingerprint (tools and "
+            "system prompt) in the fingerprint window: the top N, the rest as \"other\".",
+            ["fingerprint"], registry=r,
+        )
+        self.tenant_fingerprints = Gauge(
+            "kvgate_prompt_fingerprints", "Distinct prefix fingerprints a tenant sent in the "
+            "fingerprint window.", ["tenant"], registry=r,
+        )
+        self.system_prompt_changes = Counter(
+            "kvgate_system_prompt_changes", "A tenant's system prompt (or tools) changed to a "
+            "fingerprint it had not sent in the window.", ["tenant", "model"], registry=r,
+        )
+        self.prefix_cache_hit_ratio = Gauge(
+            "kvgate_replica_prefix_cache_hit_ratio", "vLLM's prefix-cache hits ÷ queries (in "
+            "tokens) since the replica started, as scraped (NaN when stale or unknown).",
+            ["replica"], registry=r,
+        )
         self._mirrored: dict[tuple[int, tuple[str, ...]], float] = {}
 
     def mirror(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:

@@ -220,22 +220,48 @@ class Replica:
 
 
 class Registry:
-    """All replicas by id, with the pool each belongs to. Reconfigured in place on reload so
-    that in-flight requests and their replica objects stay valid."""
+    """All replicas by id, with the pool each belongs to: those the config lists and those
+    found by resolving a pool's DNS name. Reconfigured in place on reload and on every DNS
+    round, so that in-flight requests and their replica objects stay valid; a replica that
+    leaves (a reload dropped it, its address stopped resolving) while requests still run there
+    stays, draining, until they finish."""
 
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
+        self._listed: dict[str, list[ReplicaConfig]] = {}
+        self._found: dict[str, list[ReplicaConfig]] = {}
 
     def sync(self, pools: Mapping[str, Iterable[ReplicaConfig]]) -> None:
+        """The config's replicas, per pool (a reload)."""
+        self._listed = {pool: list(configs) for pool, configs in pools.items()}
+        self._found = {pool: found for pool, found in self._found.items() if pool in self._listed}
+        self._rebuild()
+
+    def found(self, pool: str, configs: Iterable[ReplicaConfig]) -> None:
+        """The replicas a pool's DNS name resolves to now."""
+        self._found[pool] = list(configs)
+        self._rebuild()
+
+    def prune(self) -> None:
+        """Forget replicas that left once their last request has finished."""
+        self._rebuild()
+
+    def _rebuild(self) -> None:
         wanted: dict[str, Replica] = {}
-        for pool, configs in pools.items():
-            for config in configs:
+        for pool, listed in self._listed.items():
+            for config in [*listed, *self._found.get(pool, [])]:
                 current = self._replicas.get(config.id)
                 if current is not None and current.url == config.url:
-                    current.config, current.pool = config, pool
+                    current.config, current.pool, current.vanished = config, pool, False
                     wanted[config.id] = current
-                else:
+                elif config.id not in wanted:
                     wanted[config.id] = Replica(config=config, pool=pool)
+        for replica_id, replica in self._replicas.items():
+            if replica_id not in wanted and replica.inflight:
+                if not replica.vanished:
+                    log.warning("replica %s left with requests in flight: draining", replica_id)
+                replica.vanished = True
+                wanted[replica_id] = replica
         self._replicas = wanted
 
     def __iter__(self) -> Iterator[Replica]:
@@ -307,7 +333,7 @@ async def discover(
 
 
 async def discovery_loop(
-    session: aiohttp.ClientSession,
+    session: Callable[[], aiohttp.ClientSession | None],
     registry: Registry,
     config: Callable[[], DiscoveryConfig],
     after_round: Callable[[], None] = lambda: None,
@@ -315,7 +341,9 @@ async def discovery_loop(
     """Scrape every replica each interval, all at once, until cancelled; `after_round` runs
     after each round (new figures may let queued requests in)."""
     while True:
-        current = config()
-        await asyncio.gather(*(discover(session, r, current) for r in registry))
+        current, client = config(), session()
+        registry.prune()
+        if client is not None:
+            await asyncio.gather(*(discover(client, r, current) for r in registry))
         after_round()
         await asyncio.sleep(current.interval_s)

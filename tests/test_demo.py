@@ -30,6 +30,16 @@ def test_demo_workload_runs_three_ways_and_worst_case_never_preempts(capsys):
     hits = sum(r["prefix_cache_hits"] for r in chat)
     assert hits / sum(r["prefix_cache_queries"] for r in chat) > 0.5
     assert worst["prefix_hit_rate"] is not None
+    # Normalization (timestamps relocated, blanks and CRLF gone) makes the noisy chats hit too.
+    raw = report["predicted_raw"]
+    assert raw["failed"] == 0 and raw["completed"] + sum(raw["refused"].values()) == requests
+    assert chat_hit_rate(predicted) > chat_hit_rate(raw)
+
+
+def chat_hit_rate(side: dict) -> float:
+    """The chat replicas' prefix-cache hit rate (the long documents share nothing)."""
+    chats = [side["replicas"][name] for name in ("normal-a", "normal-b")]
+    return sum(r["prefix_cache_hits"] for r in chats) / sum(r["prefix_cache_queries"] for r in chats)
 
 
 def test_demo_table_has_a_column_per_way_and_a_goodput_row():
@@ -82,3 +92,17 @@ def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
     hint = top_hint("http://127.0.0.1:8080")
     assert "kvgate demo --port 8080" in hint
     assert "kvgate top --url http://127.0.0.1:8080 --once" in hint
+
+
+def test_demo_plot_writes_the_kv_lines_and_the_ttft_cdfs(tmp_path, capsys):
+    code = main(["demo", "--workload", "--json", "--duration", "2", "--rate", "30",
+                 "--time-scale", "0.5", "--seed", "3", "--plot", str(tmp_path)])
+    assert code == 0
+    for name in ("kv-normal-a.png", "ttft-cdf.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000, name
+
+
+def test_demo_plot_needs_the_workload(tmp_path, capsys):
+    assert main(["demo", "--plot", str(tmp_path)]) == 2
+    assert "--plot needs --workload" in capsys.readouterr().err

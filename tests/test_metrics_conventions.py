@@ -14,6 +14,7 @@ UNITLESS = {
     "kvgate_replica_healthy",  # 0 or 1
     "kvgate_replica_circuit_state",  # 0 closed, 1 half open, 2 open
     "kvgate_replica_draining",  # 0 or 1
+    "kvgate_prompt_fingerprints",  # distinct fingerprints: the name is the unit
     "kvgate_state_store_up",  # 0 or 1
     "kvgate_tokenizer_calibration_terms",  # a fitted term, by `term`
 }

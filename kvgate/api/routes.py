@@ -151,6 +151,12 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+async def admin_prompts(request: web.Request) -> web.Response:
+    """The live prefix fingerprints (tools + system prompt) with their request shares."""
+    gateway = request.app[GATEWAY]
+    return web.json_response(gateway.prompts.snapshot(gateway.runtime.config))
+
+
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     return web.Response(
@@ -218,6 +224,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/admin/prompts", admin_prompts)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/replicas", admin_replicas)
     app.router.add_post("/admin/replicas/{replica}/drain", _drain_handler(True))

@@ -2,10 +2,11 @@
 
 Two normal replicas and one long-context replica (the vLLM simulator), and kvgate with
 in-memory state. Without `--workload` it serves until Ctrl-C and tells you where to point an
-OpenAI client. With `--workload` it drives the same seeded mixed workload three times, each on
+OpenAI client. With `--workload` it drives the same seeded mixed workload four times, each on
 a fresh fleet — straight at the replicas with the same routing but no admission control (long
 documents to the long replica, chats round robin over the others), through kvgate admitting on
-the worst case, and through kvgate admitting on predicted demand — and prints what happened
+the worst case, and through kvgate admitting on predicted demand, with prompt normalization off
+and on (timestamps relocated out of the system prompt) — and prints what happened
 side by side: latencies, goodput (requests per simulated second whose first token came within
 its target), preemptions and prefix-cache hits.
 """
@@ -18,12 +19,15 @@ import contextlib
 import hashlib
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from kvgate.api.routes import GATEWAY
 from kvgate.app import build_app
+from kvgate.commands import demo_plot
 from kvgate.config import Config, parse_config
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
@@ -49,9 +53,15 @@ TENANTS: list[dict[str, Any]] = [
 DEMO_KEYS = {"anonymous": "demo"}
 # Latency targets for goodput, in simulated seconds (× --time-scale on the wall clock).
 SHORT_TTFT_SLO_S, LONG_TTFT_SLO_S = 2.0, 10.0
-# The columns of `--workload`: no admission, then kvgate in each admission mode.
-COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst", "predicted":
-           "kvgate predicted"}  # fmt: skip
+# The columns of `--workload`: no admission, then kvgate in each admission mode; and kvgate
+# predicted without prompt normalization, to show what it does to prefix-cache hits.
+COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst",
+           "predicted_raw": "predicted no norm", "predicted": "kvgate predicted"}  # fmt: skip
+# The workload's chats carry a timestamp in their system prompt: relocate it (the safe rules
+# are on anyway). `predicted_raw` runs with normalization off.
+NORMALIZATION = {"rules": {"relocate_dynamic": True}, "relocate": {"patterns": ["timestamp"]}}
+# The replica `--plot` draws the KV lines of.
+PLOTTED = "normal-a"
 
 
 def _with_keys(tenant: dict[str, Any]) -> dict[str, Any]:
@@ -63,13 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8080, help="kvgate's port (0: any free)")
     parser.add_argument("--workload", action="store_true",
                         help="drive a mixed workload without kvgate, then through kvgate "
-                             "admitting on the worst case and on predicted demand; compare")
+                             "admitting on the worst case and on predicted demand (with "
+                             "prompt normalization off and on); compare")
     parser.add_argument("--duration", type=float, default=10.0, help="workload seconds")
     parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="simulated GPU speed: real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--plot", metavar="DIR", type=Path,
+                        help="with --workload: write PNGs there (one replica's KV lines over "
+                             "time, TTFT CDFs with and without admission; needs matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +94,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.plot and not args.workload:
+        print("kvgate demo: --plot needs --workload", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvgate demo: --plot needs matplotlib (pip install 'kvgate[plot]')",
+                  file=sys.stderr)
+            return 2
     tokenizer = await asyncio.to_thread(load_tiktoken)
     if not args.workload:
         fleet = await start_fleet(tokenizer, args.time_scale)
@@ -113,23 +137,47 @@ async def _main(args: argparse.Namespace) -> int:
     targets = {"short": [fleet["normal-a"].url, fleet["normal-b"].url], "long": [fleet["long"].url]}
     results = await run_workload("", items, targets=targets, tenant_header=None)
     report["no_admission"] = column(results, fleet, args)
+    ttfts = {COLUMNS["no_admission"]: short_ttfts(results, args.time_scale)}
+    kv_samples: list[demo_plot.KvSample] = []
     await stop_fleet(fleet)
 
-    for mode in ("worst_case", "predicted"):
-        say(f"the same workload through kvgate, admission mode {mode} ...")
+    for column_key in ("worst_case", "predicted_raw", "predicted"):
+        mode = column_key.removesuffix("_raw")
+        raw = column_key.endswith("_raw")
+        say(f"the same workload through kvgate, admission mode {mode}"
+            f"{', no normalization' if raw else ''} ...")
         fleet = await start_fleet(tokenizer, args.time_scale)
-        runner, url = await start_gateway(gateway_config(fleet, 0, mode=mode))
+        normalization = {"enabled": False} if raw else NORMALIZATION
+        runner, url = await start_gateway(gateway_config(fleet, 0, mode, normalization))
+        recorder = None
+        if args.plot and column_key == "predicted":
+            recorder = asyncio.get_running_loop().create_task(demo_plot.record_kv(
+                runner.app[GATEWAY], PLOTTED, fleet[PLOTTED], args.time_scale, kv_samples))
         results = await run_workload(url, items)
-        report[mode] = column(results, fleet, args)
+        if recorder is not None:
+            recorder.cancel()
+            await asyncio.gather(recorder, return_exceptions=True)
+        report[column_key] = column(results, fleet, args)
+        if not raw:
+            ttfts[COLUMNS[column_key]] = short_ttfts(results, args.time_scale)
         await runner.cleanup()
         await stop_fleet(fleet)
 
+    if args.plot:
+        for path in demo_plot.plot(args.plot, PLOTTED, kv_samples, ttfts):
+            say(f"wrote {path}")
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         print(render(report))
     say(top_hint(f"http://127.0.0.1:{args.port or 8080}"))
     return 0
+
+
+def short_ttfts(results: list[Any], time_scale: float) -> list[float | None]:
+    """Short requests' TTFTs in simulated seconds; None for those that never got a token."""
+    scale = time_scale or 1.0
+    return [None if r.ttft_s is None else r.ttft_s / scale for r in results if r.kind != "long"]
 
 
 def top_hint(url: str) -> str:
@@ -172,7 +220,8 @@ def column(results: list[Any], fleet: dict[str, SimReplica], args: argparse.Name
     }
 
 
-def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted") -> Config:
+def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted",
+                   normalization: dict[str, Any] | None = None) -> Config:
     return parse_config({
         "server": {"port": port},
         "pools": {
@@ -186,6 +235,7 @@ def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predict
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32", "::1/128"]},
         "tenants": [_with_keys(t) for t in TENANTS],
+        "normalization": NORMALIZATION if normalization is None else normalization,
     })
 
 
@@ -202,8 +252,6 @@ async def start_gateway(config: Config) -> tuple[web.AppRunner, str]:
 
 
 async def _until_discovered(app: web.Application) -> None:
-    from kvgate.api.routes import GATEWAY
-
     registry = app[GATEWAY].registry
     for _ in range(200):
         if all(r.healthy and r.num_gpu_blocks for r in registry):
@@ -252,8 +300,9 @@ def render(report: dict[str, Any]) -> str:
     w = report["workload"]
     rows = [f"workload: {w['requests']} requests ({w['long']} long documents) over "
             f"{w['duration_s']:g}s, {w['rate_per_s']:g}/s", ""]
-    columns = [report[key] for key in COLUMNS]
-    rows.append(f"{'':28}" + "".join(f"{label:>18}" for label in COLUMNS.values()))
+    shown = [key for key in COLUMNS if key in report]
+    columns = [report[key] for key in shown]
+    rows.append(f"{'':28}" + "".join(f"{COLUMNS[key]:>18}" for key in shown))
 
     def row(label: str, *path: str, default: Any = None) -> None:
         """One figure per column, found in each column's report along `path`."""

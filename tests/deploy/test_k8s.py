@@ -102,13 +102,16 @@ def test_selectors_match_the_pods_they_mean():
 
 
 def test_kvgate_reaches_every_vllm_pod_and_the_redis_service_by_name():
-    vllm = one("StatefulSet", "vllm")["spec"]
-    headless = one("Service", vllm["serviceName"])
+    vllm = one("Deployment", "vllm")["spec"]
+    headless = one("Service", "vllm")
     assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= vllm["template"]["metadata"]["labels"].items()
     port = headless["spec"]["ports"][0]["port"]
-    wanted = {f"http://vllm-{i}.{vllm['serviceName']}:{port}" for i in range(vllm["replicas"])}
-    config = kvgate_config()
-    assert {r.url for pool in config.pools.values() for r in pool.replicas} == wanted
+    (pool,) = kvgate_config().pools.values()
+    assert pool.dns is not None and not pool.replicas
+    namespace = one("Namespace", "kvgate")["metadata"]["name"]
+    assert pool.dns.name == f"vllm.{namespace}.svc.cluster.local"
+    assert pool.dns.port == port
     env = {e["name"]: e["value"] for e in container("Deployment", "kvgate")["env"]}
     redis = one("Service", "redis")["spec"]["ports"][0]["port"]
     assert env["REDIS_URL"] == f"redis://redis:{redis}/0"

@@ -17,6 +17,12 @@ def breakers(clock: Clock, changes: list[tuple[str, str]]) -> Breakers:
     return Breakers(lambda: 3, lambda: 10.0, clock, lambda r, s: changes.append((r, s)))
 
 
+def trip(b: Breakers, replica: str = "a") -> None:
+    """Three failures in a row: the threshold."""
+    for _ in range(3):
+        b.judge(replica, True)
+
+
 def test_consecutive_failures_open_the_circuit_and_a_success_between_resets_the_count():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
@@ -33,8 +39,7 @@ def test_consecutive_failures_open_the_circuit_and_a_success_between_resets_the_
 def test_after_open_s_one_trial_goes_through_and_its_success_closes_the_circuit():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
-    for _ in range(3):
-        b.judge("a", True)
+    trip(b)
     clock.now = 9.9
     assert b.state("a") == OPEN
     clock.now = 10.0
@@ -48,8 +53,7 @@ def test_after_open_s_one_trial_goes_through_and_its_success_closes_the_circuit(
 def test_a_failed_trial_opens_the_circuit_for_another_full_period():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
-    for _ in range(3):
-        b.judge("a", True)
+    trip(b)
     clock.now = 10.0
     b.begin("a")
     b.judge("a", True)
@@ -63,8 +67,7 @@ def test_a_failed_trial_opens_the_circuit_for_another_full_period():
 def test_a_trial_the_client_abandoned_lets_the_next_request_be_the_trial():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
-    for _ in range(3):
-        b.judge("a", True)
+    trip(b)
     clock.now = 10.0
     b.begin("a")
     b.judge("a", None)  # the client left before the replica showed anything
@@ -74,8 +77,7 @@ def test_a_trial_the_client_abandoned_lets_the_next_request_be_the_trial():
 def test_replicas_have_circuits_of_their_own_and_forgotten_ones_close():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
-    for _ in range(3):
-        b.judge("a", True)
+    trip(b)
     assert (b.state("a"), b.state("b")) == (OPEN, CLOSED)
     b.forget({"b"})
     assert b.state("a") == CLOSED
