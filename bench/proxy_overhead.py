@@ -265,7 +265,7 @@ def kvgate_all_config(port: int, stub: str, redis_prefix: str | None) -> dict[st
             "backend": "redis", "redis_url": REDIS_URL, "key_prefix": redis_prefix,
         },
     }  # fmt: skip
-    if (ROOT / "kvgate" / "normalize.py").exists():
+    if (ROOT / "kvgate" / "normalize").exists():
         tree["normalization"] = {"enabled": True}
     return tree
 
@@ -321,7 +321,7 @@ async def start_servers(
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
             path = children.logs / f"{name}.yaml"
             tree = kvgate_all_config(port, stub, prefix)
-            if base and ab and not (Path(ab) / "kvgate" / "normalize.py").exists():
+            if base and ab and not (Path(ab) / "kvgate" / "normalize").exists():
                 tree.pop("normalization", None)
             path.write_text(yaml.safe_dump(tree))
             argv = [py, "-m", "kvgate.cli", "serve", "--config", str(path)]

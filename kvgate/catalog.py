@@ -98,11 +98,12 @@ def upstream_body(parsed: ParsedRequest, bound: Bound) -> dict[str, object]:
     return body
 
 
-def upstream_payload(parsed: ParsedRequest, bound: Bound, raw: bytes) -> bytes:
-    """`upstream_body` as bytes: the client's own bytes when it leaves them unchanged (a
-    max_tokens given, and for a stream include_usage asked already): re-serializing a body
-    nothing edited cost more CPU than any other single step of a request (issue 14)."""
-    if not bound.set_max_tokens and not (parsed.stream and not parsed.client_wants_usage):
+def upstream_payload(parsed: ParsedRequest, bound: Bound, raw: bytes | None) -> bytes:
+    """`upstream_body` as bytes: the client's own bytes `raw` when kvgate leaves them
+    unchanged (a max_tokens given, and for a stream include_usage asked already; None: the
+    body was edited before, by normalization) rather than serialized again (issue 14)."""
+    unchanged = not bound.set_max_tokens and not (parsed.stream and not parsed.client_wants_usage)
+    if raw is not None and unchanged:
         return raw
     return orjson.dumps(upstream_body(parsed, bound))
 

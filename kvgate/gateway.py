@@ -121,6 +121,7 @@ class Gateway:
         self.require_model(rt, parsed.model)
 
         # normalize the prompt: counted, fingerprinted and forwarded as normalized
+        as_sent = parsed
         parsed, fingerprint = self.prompts.apply(parsed, tenant, rt.config)
         info.fingerprint = fingerprint  # the prefix-affinity key
 
@@ -158,7 +159,8 @@ class Gateway:
             try:
                 return await self.serve(
                     request, rt, parsed, bound, route, charge, outcomes,
-                    arrival=fleet, payload=upstream_payload(parsed, bound, raw),
+                    arrival=fleet,
+                    payload=upstream_payload(parsed, bound, raw if parsed is as_sent else None),
                     settle_now=settle_now,
                 )
             finally:
