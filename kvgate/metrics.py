@@ -21,8 +21,8 @@ def _remembered(
 ) -> M:
     """`labels()` remembered per label values. prometheus_client validates the values, takes
     a lock and builds a key on every call (0.7 µs); the request path calls it about twenty
-    times per request (issue 14). Children are never removed here, so a remembered one stays
-    the one the registry exports."""
+    times per request (issue 14). `remove()` and `clear()` forget what was remembered, so a
+    remembered child is always the one the registry exports."""
     if kwargs:
         return make(*values, **kwargs)
     remembered: dict[tuple[Any, ...], M] = metric.__dict__.setdefault("_remembered", {})
@@ -36,15 +36,39 @@ class Counter(prometheus_client.Counter):
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Counter:
         return _remembered(self, super().labels, labelvalues, labelkwargs)
 
+    def remove(self, *labelvalues: Any) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().remove(*labelvalues)
+
+    def clear(self) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().clear()
+
 
 class Gauge(prometheus_client.Gauge):
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Gauge:
         return _remembered(self, super().labels, labelvalues, labelkwargs)
 
+    def remove(self, *labelvalues: Any) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().remove(*labelvalues)
+
+    def clear(self) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().clear()
+
 
 class Histogram(prometheus_client.Histogram):
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Histogram:
         return _remembered(self, super().labels, labelvalues, labelkwargs)
+
+    def remove(self, *labelvalues: Any) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().remove(*labelvalues)
+
+    def clear(self) -> None:
+        self.__dict__.pop("_remembered", None)
+        super().clear()
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
