@@ -648,7 +648,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--stream-concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2, help="interleaved slices per contender")
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS[:-1]), choices=CONTENDERS)
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
                         default=(os.cpu_count() or 1) >= 2)  # fmt: skip
     parser.add_argument("--ab", metavar="TREE",
