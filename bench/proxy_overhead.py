@@ -325,8 +325,10 @@ async def start_servers(
                 tree.pop("normalization", None)
             path.write_text(yaml.safe_dump(tree))
             argv = [py, "-m", "kvgate.cli", "serve", "--config", str(path)]
-            if name.endswith("-2w"):
+            if kind.endswith("-2w"):
                 argv += ["--workers", "2"]
+            elif not base:  # one process, pinned (with Redis the default is one per core)
+                argv += ["--workers", "1"]
             ready[name] = url + "/ready"
         cwd = ROOT
         if base and ab:  # the same command, run from the other tree's code
