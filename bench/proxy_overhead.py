@@ -565,7 +565,7 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
 
     cells: list[Cell] = []
     for name, url in urls.items():
-        if "redis" in name:
+        if "redis" in name and not name.endswith("@base"):
             args.trips[name] = [await store_trips(url, c, 400 if c == 1 else 3000)
                                 for c in args.concurrency]  # fmt: skip
             print(f"  {name}: Redis {args.trips[name]}", flush=True)
@@ -668,7 +668,8 @@ def main() -> int:
     args.skipped = {n: why for n in args.contenders if (why := unavailable(n))}
     args.names = ["direct", *(n for n in args.contenders if n != "direct" and n not in args.skipped)]
     if args.ab:
-        args.names += [f"{n}@base" for n in args.names if n.startswith("kvgate")]
+        args.names += [f"{n}@base" for n in args.names
+                       if n.startswith("kvgate") and not n.endswith("-2w")]  # fmt: skip
     for name, why in args.skipped.items():
         print(f"  {name}: not run — {why}", flush=True)
     run: Callable[..., list[Cell]] = asyncio.run
