@@ -75,6 +75,7 @@ class Admission:
         self.stale_after_s = stale_after_s
         self._pools: dict[str, PoolQueue] = {}
         self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
+        self._pending: dict[str, int] = {}  # blocks being acquired now, per replica
         self.prefixes = SharedPrefixes()
         self.overcommit = Overcommit()
         self._growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
@@ -132,9 +133,13 @@ class Admission:
         self._check_can_ever_fit(demand, ranking.replicas, config)
         pool = self._pool(demand.pool)
         pool.reservations.append(max(demand.blocks_on(r) for r in candidates))
-        slot = None
-        if not pool.ahead_of(demand, candidates):
-            slot = await self._try_place(demand, ranking, config, 0.0)
+        # replicas that requests queued ahead of this one are waiting for are theirs first;
+        # any other may take it now (no head-of-line blocking across replicas)
+        waited_for = frozenset(
+            replica.id for ahead in pool.ahead_of(demand, candidates)
+            for replica in ahead.payload.candidates
+        )
+        slot = await self._try_place(demand, ranking, config, 0.0, waited_for)
         if slot is None:
             slot = await self._wait(pool, demand, rank, ranking, config, started)
         self.metrics.admissions.labels(
@@ -183,10 +188,7 @@ class Admission:
         """The first replica of the ranking (not `closed` to this request) whose ledger takes
         the demand; while the request has waited less than the ranking's hold, only its
         session's replica."""
-        replicas = ranking.replicas
-        if ranking.sticky is not None and waited_s < ranking.hold_s:
-            replicas = [ranking.sticky]
-        for view in replicas:
+        for view in ranking.usable(waited_s):
             limit = view.limit(demand.predicted)
             if view.id in closed or limit is None or demand.blocks_on(view.replica) > limit:
                 continue
@@ -203,7 +205,7 @@ class Admission:
     ) -> Slot | None:
         """Reserve on one replica: the request's own blocks, plus (first of its prefix here)
         the shared prefix's blocks as a lease of their own."""
-        key, lease_id = ledger_key(replica), os.urandom(12).hex()
+        key, lease_id = ledger_key(replica.id), os.urandom(12).hex()
         blocks = demand.blocks_on(replica)
         prefix_blocks = demand.prefix_blocks_on(replica)
         shared = None
@@ -258,7 +260,7 @@ class Admission:
         if shared.refs > 0:
             return
         self.prefixes.drop(shared)
-        key = f"ledger:{shared.replica_id}"
+        key = ledger_key(shared.replica_id)
         self.keeper.discard(key, shared.lease_id)
         self._count(shared.replica_id, -shared.blocks)
         await self._release_lease(key, shared.lease_id)
@@ -273,19 +275,21 @@ class Admission:
         grants anyway is released before the cancellation goes on. The blocks count in this
         instance's ledger figures while the store decides, so requests ranked meanwhile see
         them (else a burst would all rank against the same empty ledger)."""
-        key = f"ledger:{replica_id}"
+        key = ledger_key(replica_id)
 
         async def undo(granted: bool) -> None:
             if granted:
                 await self._release_lease(key, lease_id)
 
         self._count(replica_id, blocks)
+        self._pending[replica_id] = self._pending.get(replica_id, 0) + blocks
         granted = False
         try:
             granted = await acquire(
                 self.store.try_acquire(key, lease_id, blocks, limit, ttl), undo
             )
         finally:
+            self._pending[replica_id] -= blocks
             if not granted:
                 self._count(replica_id, -blocks)
         return granted
@@ -296,8 +300,9 @@ class Admission:
     ) -> tuple[bool, bool]:
         """A new shared prefix's lease and the request's own, in one round trip with a
         pipelining store (issue 14): the prefix first, within room for both, then the own
-        blocks. A refused prefix keeps nothing: (False, False). Protected as `_acquire` is."""
-        key = f"ledger:{replica_id}"
+        blocks. A refused prefix keeps nothing: (False, False). Protected, and counted while
+        the store decides, as in `_acquire`."""
+        key = ledger_key(replica_id)
 
         async def both() -> tuple[bool, bool]:
             prefix, mine = await together(
@@ -322,12 +327,25 @@ class Admission:
             ))  # fmt: skip
 
         self._count(replica_id, prefix_blocks + own)
+        self._pending[replica_id] = self._pending.get(replica_id, 0) + prefix_blocks + own
         granted = (False, False)
         try:
             granted = await acquire(both(), undo)
         finally:
+            self._pending[replica_id] -= prefix_blocks + own
             self._count(replica_id, -(prefix_blocks * (not granted[0]) + own * (not granted[1])))
         return granted
+
+    def observed(self, replica_id: str, held: int) -> None:
+        """The store says the ledger holds `held`: that, plus what is being acquired now (the
+        store's figure cannot include it yet), is what routing and the gauges see."""
+        self.reserved[replica_id] = held + self._pending.get(replica_id, 0)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the figures of replicas no longer in the fleet."""
+        for figures in (self.reserved, self._pending):
+            for replica_id in [r for r in figures if r not in keep]:
+                del figures[replica_id]
 
     async def _wait(
         self,
@@ -343,7 +361,7 @@ class Admission:
         at once: waiting it out would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
-        waiter = Waiter(demand, rank, future, ranking)
+        waiter = Waiter(demand, rank, future, ranking, started)
         ticket = Ticket(demand.tenant, demand.priority, started, waiter)
         refused = pool.queue.push(ticket)
         if refused is ticket:
@@ -439,11 +457,14 @@ class Admission:
                 pool.queue.remove(ticket)
                 continue
             try:
-                waiter.ranking = await waiter.rank(now - ticket.enqueued_at)
+                waited = now - ticket.enqueued_at
+                waiter.ranking = await waiter.rank(waited)
                 closed = frozenset(
                     rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
                 )
-                usable = [v for v in waiter.ranking.replicas if v.id not in closed]
+                # during a session's hold, only its replica: the barrier it puts up, and what
+                # smaller requests may not try after it, concern that replica alone
+                usable = [v for v in waiter.ranking.usable(waited) if v.id not in closed]
                 if not usable:
                     continue
                 ids = frozenset(v.id for v in usable)
@@ -484,7 +505,7 @@ class Admission:
         own = total_blocks - (slot.shared.blocks if slot.shared else 0)
         if own <= slot.blocks or slot.released:
             return
-        key = ledger_key(slot.replica)
+        key = ledger_key(slot.replica.id)
         try:
             await self.store.try_acquire(
                 key, slot.lease_id, own, UNLIMITED, self.config().lease_ttl_s
@@ -531,7 +552,7 @@ class Admission:
         await finish(self._give_back(pool, slot))
 
     async def _give_back(self, pool: PoolQueue, slot: Slot) -> None:
-        key = ledger_key(slot.replica)
+        key = ledger_key(slot.replica.id)
         self.keeper.discard(key, slot.lease_id)
         self._count(slot.replica.id, -slot.blocks)
         now = time.monotonic()

@@ -5,7 +5,6 @@ tasks (discovery, queue dispatchers, lease renewal, gauges), and reloads on dema
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -21,6 +20,7 @@ from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, UpstreamConfig, secret
 from kvgate.demand import ledger_key
 from kvgate.dns import dns_loop
+from kvgate.errors import KvgateError
 from kvgate.gateway import Gateway, Runtime
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
@@ -30,7 +30,7 @@ from kvgate.routing.health import STATE_VALUE, Breakers
 from kvgate.routing.router import Router, scorers_for
 from kvgate.routing.scorers import Deps
 from kvgate.routing.sessions import Sessions
-from kvgate.state.base import StateStore
+from kvgate.state.base import StateStore, StateStoreError
 from kvgate.tenants import Budgets, Directory
 from kvgate.tokens import TokenizerError
 from kvgate.upstream import Relay
@@ -62,7 +62,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     catalog.configure(config)
     metrics = Metrics()
     registry = Registry()
-    registry.sync({name: pool.replicas for name, pool in config.pools.items()})
+    sync_registry(registry, config)
     store = store if store is not None else build_store(config)
     keeper = LeaseKeeper(
         store, config.admission.lease_ttl_s,
@@ -153,13 +153,22 @@ def _report_death(task: asyncio.Task[Any]) -> None:
 async def _refresh_gauges(gateway: Gateway) -> None:
     """Per-replica and store gauges, computed off the request path once a second."""
     m = gateway.metrics
+    exported: set[tuple[str, str]] = set()
     while True:
         for replica in gateway.registry:
-            with contextlib.suppress(Exception):
-                gateway.admission.reserved[replica.id] = await gateway.store.held(
-                    ledger_key(replica)
-                )
-        for view in gateway.fleet():
+            try:
+                gateway.admission.observed(replica.id, await gateway.store.held(ledger_key(replica.id)))
+            except (StateStoreError, KvgateError) as exc:  # the store counts its own errors
+                log.debug("ledger of %s not read: %s", replica.id, exc)
+        fleet = gateway.fleet()
+        current = {(view.id, view.pool) for view in fleet}
+        for replica_id, pool in exported - current:  # left the fleet: no stale series
+            m.forget_replica(replica_id, pool)
+        exported = current
+        ids = {view.id for view in fleet}
+        gateway.breakers.forget(ids)
+        gateway.admission.forget(ids)
+        for view in fleet:
             labels = (view.id, view.pool)
             total, admissible = view.num_gpu_blocks, view.admissible_blocks
             m.healthy.labels(view.id).set(1 if view.healthy else 0)
@@ -217,6 +226,13 @@ def _store_gauges(gateway: Gateway) -> None:
             m.mirror(counter, (backend,), value)
 
 
+def sync_registry(registry: Registry, config: Config) -> None:
+    """The registry follows the config's pools: listed replicas, and which pools use DNS."""
+    pools = config.pools
+    registry.sync({name: pool.replicas for name, pool in pools.items()},
+                  dns={name for name, pool in pools.items() if pool.dns is not None})
+
+
 def client_session(upstream: UpstreamConfig) -> aiohttp.ClientSession:
     """The pooled HTTP client towards the replicas."""
     connector = aiohttp.TCPConnector(
@@ -260,7 +276,7 @@ def reload(app: web.Application, load: Callable[[], Config]) -> bool:
         gateway.metrics.config_reloads.labels("refused").inc()
         return False
     gateway.runtime = Runtime(config, Directory(config.auth, config.tenants))
-    gateway.registry.sync({name: pool.replicas for name, pool in config.pools.items()})
+    sync_registry(gateway.registry, config)
     gateway.relay.timeouts = config.timeouts
     gateway.router.configure(config.routing)
     gateway.breakers.forget({r.id for r in gateway.registry})

@@ -231,7 +231,8 @@ class SessionsConfig(_Model):
 
 class RetryConfig(_Model):
     """A request whose replica failed before any byte reached the client is sent once more to
-    another replica (never after streaming began); its reservation moves with it."""
+    another replica (never after streaming began): its blocks are given back on the first and
+    reserved on the second (it may wait there like any request); the tenant is charged once."""
 
     attempts: int = Field(1, ge=0, le=5)  # extra attempts; 0: never retry
     on_timeout: bool = False  # also after first_byte_s passed (the replica may still be working)
@@ -363,6 +364,13 @@ class Config(_Model):
             for pool_name in tenant.pools or ():
                 if pool_name not in self.pools:
                     problems.append(f"tenants.{tenant.name}.pools: no pool named {pool_name!r}")
+        hold = self.routing.sessions.affinity_wait_s
+        shortest = min(self.admission.queue.budget(c) for c in PRIORITY_CLASSES)
+        if hold and hold >= shortest:
+            problems.append(
+                f"routing.sessions.affinity_wait_s: {hold:g}s must be shorter than the shortest "
+                f"queue wait budget ({shortest:g}s), or a session's request times out waiting"
+            )
         if problems:
             raise ValueError(_CROSS_REFERENCES + "\n".join(problems))
         return self

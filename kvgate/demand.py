@@ -12,13 +12,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgate.config import AdmissionConfig
 from kvgate.replicas import Replica
 from kvgate.shared_prefix import SharedPrefix, credit_blocks
 
 
-def ledger_key(replica: Replica) -> str:
-    return f"ledger:{replica.id}"
+def ledger_key(replica_id: str) -> str:
+    """The state-store key of a replica's block ledger."""
+    return f"ledger:{replica_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +55,15 @@ class Demand:
 
     def blocks_on(self, replica: Replica) -> int:
         """Blocks to reserve on `replica` now."""
-        return math.ceil(self.reserve_tokens / (replica.block_size or 16))
+        return math.ceil(self.reserve_tokens / (replica.kv_block_size))
 
     def worst_blocks_on(self, replica: Replica) -> int:
-        return math.ceil(self.worst_tokens / (replica.block_size or 16))
+        return math.ceil(self.worst_tokens / (replica.kv_block_size))
 
     def prefix_blocks_on(self, replica: Replica) -> int:
         if self.prefix_key is None:
             return 0
-        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.block_size or 16))
+        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.kv_block_size))
 
     def too_long_for(self, replica: Replica) -> bool:
         limit = replica.max_model_len(self.model)
@@ -100,7 +100,7 @@ def growth_target(slot: Slot) -> int | None:
     needs already accounted for; never past the request's worst case."""
     if slot.progress is None or slot.released:
         return None
-    size = slot.replica.block_size or 16
+    size = slot.replica.kv_block_size
     held = slot.reserved_blocks
     ceiling = slot.worst_blocks + (slot.shared.blocks if slot.shared else 0)
     if held >= ceiling:
@@ -110,8 +110,3 @@ def growth_target(slot: Slot) -> int | None:
     if written + ahead // 2 <= held * size:
         return None
     return min(ceiling, math.ceil((written + ahead) / size))
-
-
-def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
-    total = replica.num_gpu_blocks
-    return None if total is None else int(total * config.target_utilization)

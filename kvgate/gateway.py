@@ -17,7 +17,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -28,14 +28,12 @@ from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_payload
 from kvgate.config import Config, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import (
-    KvgateError,
     NeverFits,
     NoReplica,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
     ServerError,
-    UpstreamError,
-    UpstreamTimeout,
 )
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
@@ -43,6 +41,7 @@ from kvgate.prediction import OutputPredictor
 from kvgate.protect import begin, finish
 from kvgate.replicas import Registry, Replica, Writing
 from kvgate.requests import Endpoint, ParsedRequest, parse_body
+from kvgate.routing.failover import replica_failed, retry_reason, trial_gate
 from kvgate.routing.fleet import Fleet
 from kvgate.routing.health import Breakers
 from kvgate.routing.pools import choose_pool, overflow_chain
@@ -142,14 +141,15 @@ class Gateway:
         info.prompt_tokens, info.max_tokens = bound.prompt_tokens, bound.max_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
         route = Route(
-            demand, session_key(parsed, request.headers, rt.config.routing.sessions),
+            demand, session_key(parsed, request.headers, rt.config.routing.sessions, tenant.name),
             # the normalized system prompt and tools; else the first message's text
             prefix=fingerprint or demand.prefix_key,
         )
 
         # charge the tenant, then admit, forward and settle on every ending
         outcomes = [Outcome()]  # one per attempt; the last one is what the tenant pays for
-        held_at_most = rt.config.admission.queue.max_wait_s + (demand.max_hold_s or 0.0)
+        attempts = 1 + rt.config.routing.retry.attempts
+        held_at_most = attempts * (rt.config.admission.queue.max_wait_s + (demand.max_hold_s or 0.0))
         async with self.budgets.charge(tenant, bound.worst_tokens, held_at_most) as charge:
             settling: list[asyncio.Future[None]] = []
 
@@ -185,77 +185,86 @@ class Gateway:
     ) -> web.StreamResponse:
         """Admit on the router's best replica with room and forward. If that replica fails
         before any byte reached the client, release it and go once more elsewhere (the
-        reservation moves with the request); each attempt appends its `Outcome`."""
+        blocks are reserved again there; the tenant is charged once); each attempt appends its
+        `Outcome`, and the last is what the tenant pays for."""
         info: RequestInfo = request[REQUEST_INFO]
         failed: ServerError | None = None
-        while True:
-            outcome = outcomes[-1]
-            ranked: list[Ranking] = []
-            on: list[Fleet] = []
-            rank = self.ranker(route, rt, ranked, on, arrival)
-            arrival = None  # a retry ranks afresh
-            try:
-                async with self.admission.admit(route.demand, rank) as slot:
-                    info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
-                    info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
-                    await self.routed(route, rt, slot, ranked, on)
-                    slot.progress = written_tokens(parsed, bound, outcome, slot.replica)
-                    demand = route.demand
-                    writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
-                    response = await self.forward(
-                        request, rt, parsed, bound, slot, charge, outcome, writing, payload
-                    )
-                    if settle_now is not None:
-                        # its store calls start now, so the release on leaving the block
-                        # goes in the same round trip (issue 14)
-                        settle_now()
-                    return response
-            except (NoReplica, NeverFits):
-                if failed is not None:  # nowhere else to go: the replica's own failure stands
-                    raise failed from None
-                raise
-            except ServerError as exc:
-                reason = retry_reason(exc, outcome, rt)
-                if reason is None or len(outcomes) > rt.config.routing.retry.attempts:
+        try:
+            while True:
+                outcome = outcomes[-1]
+                ranked: list[Ranking] = []
+                try:
+                    ranker = self.ranker(route, rt, ranked, info.key, arrival)
+                    arrival = None  # a retry ranks afresh
+                    async with self.admission.admit(route.demand, ranker) as slot:
+                        info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
+                        info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
+                        self.count_prefix_route(route, rt, slot, ranked)
+                        slot.progress = written_tokens(parsed, bound, outcome, slot.replica)
+                        demand = route.demand
+                        writing = Writing(slot.progress, demand.prefix_key, demand.prefix_tokens)
+                        response = await self.forward(
+                            request, rt, parsed, bound, slot, charge, outcome, writing, payload
+                        )
+                        if 0 < outcome.status < 500:  # the replica served it: bind the session
+                            await self.bind_session(route, rt, slot, ranked)
+                        if settle_now is not None:
+                            # its store calls start now, so the release on leaving the block
+                            # goes in the same round trip (issue 14)
+                            settle_now()
+                        return response
+                except (NoReplica, NeverFits, RateLimited):
+                    if failed is not None:  # nowhere else to go: the replica's failure stands
+                        raise failed from None
                     raise
-                self.metrics.upstream_retries.labels(info.pool, reason).inc()
-                route = dataclasses.replace(route, exclude=route.exclude | {info.replica or ""})
-                failed = exc
-                outcomes.append(Outcome())
+                except ServerError as exc:
+                    reason = retry_reason(exc, outcome, rt.config.routing.retry)
+                    if reason is None or len(outcomes) > rt.config.routing.retry.attempts:
+                        raise
+                    assert info.replica is not None  # the failed attempt was admitted there
+                    self.metrics.upstream_retries.labels(info.pool, reason).inc()
+                    route = dataclasses.replace(route, exclude=route.exclude | {info.replica})
+                    failed = exc
+                    outcomes.append(Outcome())
+        finally:
+            self.breakers.release(info.key)
 
     def ranker(
-        self, route: Route, rt: Runtime, ranked: list[Ranking], on: list[Fleet],
+        self, route: Route, rt: Runtime, ranked: list[Ranking], holder: str,
         arrival: Fleet | None = None,
     ) -> Ranker:
-        """Ranks replicas for `route` against a fresh fleet snapshot on every call (the first
-        call may use the request's `arrival` snapshot while it is current); keeps the last
-        ranking in `ranked`, and the snapshot it was made on in `on`, for the metrics of where
-        the request ran."""
+        """Ranks replicas for `route` against a fresh fleet snapshot on every call (a
+        half-open replica only for the request holding its trial; the first call may use the
+        request's `arrival` snapshot while it is current); keeps the last ranking in `ranked`
+        for the metrics of where the request ran."""
 
         async def rank(waited_s: float) -> Ranking:
             nonlocal arrival
             fleet = arrival if arrival is not None and self.still_current(arrival) else self.fleet()
             arrival = None
             ranking = await self.router.rank(route, fleet, rt.config.routing)
-            ranked[:], on[:] = [ranking], [fleet]
+            ranking = trial_gate(ranking, self.breakers, holder)
+            ranked[:] = [ranking]
             return ranking
 
         return rank
 
-    async def routed(
-        self, route: Route, rt: Runtime, slot: Slot, ranked: list[Ranking], on: list[Fleet]
+    def count_prefix_route(
+        self, route: Route, rt: Runtime, slot: Slot, ranked: list[Ranking]
     ) -> None:
-        """The request was admitted on `slot.replica`: bind its session there, count where
-        its prefix went."""
-        favourites: Mapping[str, str] = ranked[0].favourites if ranked else {}
+        """The request was admitted on `slot.replica`: did its prefix get its replica?"""
         if route.prefix is not None and "prefix_affinity" in rt.config.routing.scorers:
-            where = "preferred" if favourites.get("prefix_affinity") == slot.replica.id else "elsewhere"
+            favourite = ranked[0].favourites.get("prefix_affinity") if ranked else None
+            where = "preferred" if favourite == slot.replica.id else "elsewhere"
             self.metrics.prefix_routes.labels(route.demand.pool, where).inc()
-        if route.session_key is not None and "session" in rt.config.routing.scorers:
-            # why a session left its replica: as the ranking that placed it saw the fleet
-            fleet = on[0] if on else self.fleet()
+
+    async def bind_session(
+        self, route: Route, rt: Runtime, slot: Slot, ranked: list[Ranking]
+    ) -> None:
+        """The replica served the request: the session is bound there from now on."""
+        if route.session_key is not None and "session" in rt.config.routing.scorers and ranked:
             await self.sessions.ran_on(
-                route.session_key, slot.replica.id, fleet, rt.config.routing.sessions.ttl_s
+                route.session_key, slot.replica.id, ranked[0].fleet, rt.config.routing.sessions
             )
 
     def fleet(self) -> Fleet:
@@ -349,7 +358,9 @@ class Gateway:
         if rt.config.server.accounting_headers:
             headers["X-Kvgate-Prompt-Tokens"] = str(bound.prompt_tokens)
             headers["X-Kvgate-Reserved-Blocks"] = str(slot.reserved_blocks)
-        self.breakers.begin(replica.id)
+        outcome.on_answer = lambda status: self.breakers.judge(
+            replica.id, False if status < 400 else None, info.key
+        )  # a trial is judged by its status, not held open while its answer streams
         try:
             return await self.relay.forward(
                 request,
@@ -367,7 +378,7 @@ class Gateway:
             )
         finally:
             replica.inflight.pop(info.key, None)
-            self.breakers.judge(replica.id, replica_failed(outcome))
+            self.breakers.judge(replica.id, replica_failed(outcome, parsed.stream), info.key)
             info.disconnected = outcome.client_disconnected and not outcome.done
             info.delivered = outcome.done
             self.observe(info, parsed, bound, slot, outcome)
@@ -440,7 +451,7 @@ class Gateway:
         used = bound.prompt_tokens + outcome.completion_tokens()
         if outcome.usage is not None:
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
-        block_size = slot.replica.block_size or 16
+        block_size = slot.replica.kv_block_size
         if slot.reserved_blocks > 0:
             self.metrics.efficiency.labels(info.pool).observe(
                 min(1.0, math.ceil(used / block_size) / slot.reserved_blocks)
@@ -459,35 +470,6 @@ def fit_name(parsed: ParsedRequest, count: PromptCount) -> str:
     with the model's own template (their features mean something else)."""
     name = parsed.endpoint.name.lower()
     return f"{name}+template" if count.templated else name
-
-
-def replica_failed(outcome: Outcome) -> bool | None:
-    """What an attempt says of its replica: True if the replica failed (unreachable, 5xx,
-    silent past a timeout, broken stream), False if it answered (a 4xx included), None if the
-    client left before the replica showed either."""
-    if outcome.upstream_failed:
-        return True
-    if outcome.status:
-        return False
-    return None
-
-
-def retry_reason(exc: KvgateError, outcome: Outcome, rt: Runtime) -> str | None:
-    """Why the request may go to another replica, or None. Only failures before any byte
-    reached the client (the relay raises those; later ones end the stream in-band) and before
-    the replica could have done the work: it was unreachable, answered 5xx, or — when
-    retry.on_timeout — sent no headers within first_byte_s."""
-    if outcome.sent_at is None or not isinstance(exc, UpstreamError | UpstreamTimeout):
-        return None
-    if outcome.unreachable:
-        return "unreachable"
-    if outcome.status >= 500:
-        return "upstream_error"
-    if outcome.status == 0:
-        if isinstance(exc, UpstreamTimeout):
-            return "timeout" if rt.config.routing.retry.on_timeout else None
-        return "upstream_error"  # the connection broke before the headers
-    return None
 
 
 def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:

@@ -7,6 +7,7 @@ gateways can run in one process (as the tests do).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -329,6 +330,15 @@ class Metrics:
         if step > 0:
             child.inc(step)
         self._mirrored[key] = total
+
+    def forget_replica(self, replica: str, pool: str) -> None:
+        """Remove every per-replica series of a replica that left the fleet."""
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", None)
+            values = {"replica": replica, "pool": pool}
+            if names and set(names) <= values.keys() and "replica" in names:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*(values[n] for n in names))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,13 +12,14 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.capacity import DEFAULT_BLOCK_SIZE
 from kvgate.config import DiscoveryConfig, ReplicaConfig, secret
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,11 @@ class Replica:
         return self.scrape.block_size if self.scrape else None
 
     @property
+    def kv_block_size(self) -> int:
+        """The block size to count in: the replica's, or vLLM's default until it is known."""
+        return self.block_size or DEFAULT_BLOCK_SIZE
+
+    @property
     def num_gpu_blocks(self) -> int | None:
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
@@ -199,7 +205,7 @@ class Replica:
     def written_blocks(self) -> int:
         """Blocks this instance's in-flight requests hold here: each its own, and the full
         blocks of a shared prefix once, as vLLM's prefix cache stores them."""
-        size = self.block_size or 16
+        size = self.kv_block_size
         total = 0
         shared: dict[str, int] = {}
         for writing in self.inflight.values():
@@ -231,10 +237,13 @@ class Registry:
         self._listed: dict[str, list[ReplicaConfig]] = {}
         self._found: dict[str, list[ReplicaConfig]] = {}
 
-    def sync(self, pools: Mapping[str, Iterable[ReplicaConfig]]) -> None:
-        """The config's replicas, per pool (a reload)."""
+    def sync(
+        self, pools: Mapping[str, Iterable[ReplicaConfig]], dns: Collection[str] = ()
+    ) -> None:
+        """The config's replicas, per pool, and which pools are found by DNS (a reload): a
+        pool that lost its DNS name loses the replicas found through it."""
         self._listed = {pool: list(configs) for pool, configs in pools.items()}
-        self._found = {pool: found for pool, found in self._found.items() if pool in self._listed}
+        self._found = {pool: found for pool, found in self._found.items() if pool in dns}
         self._rebuild()
 
     def found(self, pool: str, configs: Iterable[ReplicaConfig]) -> None:
@@ -248,8 +257,10 @@ class Registry:
 
     def _rebuild(self) -> None:
         wanted: dict[str, Replica] = {}
+        listed_ids = {c.id for listed in self._listed.values() for c in listed}
         for pool, listed in self._listed.items():
-            for config in [*listed, *self._found.get(pool, [])]:
+            found = [c for c in self._found.get(pool, []) if c.id not in listed_ids]
+            for config in [*listed, *found]:  # a listed replica's settings win over DNS
                 current = self._replicas.get(config.id)
                 if current is not None and current.url == config.url:
                     current.config, current.pool, current.vanished = config, pool, False
@@ -303,14 +314,20 @@ async def discover(
             if resp.status != 200:
                 raise RuntimeError(f"/v1/models answered {resp.status}")
             listing = orjson.loads(await resp.read())
-        async with session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
-            metrics = await resp.text() if resp.status == 200 else ""
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
         if replica.healthy:
             log.warning("replica %s is unhealthy: %s", replica.id, exc or type(exc).__name__)
         replica.healthy = False
         replica.last_error = str(exc) or type(exc).__name__
         return
+    # A slow or failing /metrics leaves the figures stale (then unknown), never the replica
+    # out of rotation: routing and admission fall back to the ledger alone.
+    metrics = ""
+    try:
+        async with session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
+            metrics = await resp.text() if resp.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.debug("replica %s: /metrics not read: %s", replica.id, exc or type(exc).__name__)
     now = time.monotonic()
     models = {}
     for entry in listing.get("data", []) if isinstance(listing, dict) else []:

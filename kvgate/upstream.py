@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,9 @@ class Outcome:
     client_disconnected: bool = False
     upstream_failed: bool = False
     unreachable: bool = False  # the request never got to the replica (connection failed)
+    timed_out: bool = False  # no response headers within first_byte_s
+    # called with the status as soon as the replica's response headers arrive
+    on_answer: Callable[[int], None] | None = None
 
     def completion_tokens(self) -> int:
         return self.usage.completion_tokens if self.usage else self.streamed_tokens
@@ -140,8 +143,13 @@ class Relay:
                     data=body if isinstance(body, bytes) else orjson.dumps(body), headers=headers,
                     timeout=timeout, auto_decompress=False,
                 )
+        except aiohttp.ConnectionTimeoutError:  # (also a TimeoutError) it never got the request
+            outcome.upstream_failed = outcome.unreachable = True
+            raise UpstreamError(
+                f"replica {replica.id} could not be reached within {t.connect_s:g}s"
+            ) from None
         except TimeoutError:
-            outcome.upstream_failed = True
+            outcome.upstream_failed = outcome.timed_out = True
             raise UpstreamTimeout(
                 f"replica {replica.id} did not answer within {t.first_byte_s:g}s"
             ) from None
@@ -151,6 +159,8 @@ class Relay:
             raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
         async with upstream:
             outcome.status = upstream.status
+            if outcome.on_answer is not None:
+                outcome.on_answer(upstream.status)
             if upstream.status >= 400 or not stream:
                 return await self._relay_whole(upstream, replica, response_headers, outcome, deadline)
             return await self._relay_stream(

@@ -37,10 +37,13 @@ class Waiter:
     rank: Callable[[float], Awaitable[Ranking]]
     future: asyncio.Future[Slot]
     ranking: Ranking
+    since: float  # when it arrived (monotonic)
 
     @property
     def candidates(self) -> list[Replica]:
-        return [view.replica for view in self.ranking.replicas]
+        """The replicas it may take now (during a session's hold, that one alone)."""
+        usable = self.ranking.usable(time.monotonic() - self.since)
+        return [view.replica for view in usable]
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ class Harness:
         )
 
     async def held(self, r: Replica) -> int:
-        return await self.store.held(ledger_key(r))
+        return await self.store.held(ledger_key(r.id))
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ class Gate:
                                    LeaseKeeper(self.store, 30.0), lambda: 10.0)
 
     async def held(self, r) -> int:
-        return await self.store.held(ledger_key(r))
+        return await self.store.held(ledger_key(r.id))
 
 
 @pytest.fixture

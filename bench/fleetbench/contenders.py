@@ -44,6 +44,7 @@ TENANTS: list[dict[str, Any]] = [
 ]
 # Simulated seconds a request of each class may wait for KV capacity (kvgate's defaults).
 WAIT_BUDGET_S = {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
+AFFINITY_WAIT_S = 0.25  # a session waits this long for its replica (kvgate's default)
 MAX_WAIT_S = 30.0
 DISCOVERY_INTERVAL_S = 2.0
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
@@ -152,6 +153,8 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
         "discovery": {"interval_s": DISCOVERY_INTERVAL_S * time_scale,
                       "stale_after_s": 5 * DISCOVERY_INTERVAL_S * time_scale},
         "admission": admission,
+        # simulated seconds, like the wait budgets: kvgate's default, scaled
+        "routing": {"sessions": {"affinity_wait_s": round(AFFINITY_WAIT_S * time_scale, 4)}},
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32"]},
         "tenants": [{**t, "api_key_sha256": [hashlib.sha256(t["name"].encode()).hexdigest()]}

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from kvgate.config import AdmissionConfig
 from kvgate.replicas import Replica
 
-DEFAULT_BLOCK_SIZE = 16  # vLLM's default, for a replica whose block size is not known yet
-
 
 @dataclass(frozen=True, slots=True)
 class ReplicaView:
@@ -31,7 +29,6 @@ class ReplicaView:
     num_gpu_blocks: int | None
     admissible_blocks: int | None  # target_utilization × num_gpu_blocks
     reserved_blocks: int  # on the shared ledger, by every instance
-    written_blocks: int  # this instance's requests, as written so far
     shared_prefix_blocks: int
     inflight: int
     overcommit: float
@@ -55,6 +52,12 @@ class ReplicaView:
         if self.admissible_blocks is None:
             return None
         return max(0, self.admissible_blocks - self.reserved_blocks)
+
+    @property
+    def written_blocks(self) -> int:
+        """Blocks this instance's requests there have written so far: read when asked (the
+        gauges and the admin view), not on every ranking."""
+        return self.replica.written_blocks()
 
     @property
     def headroom_requests(self) -> int | None:
@@ -120,6 +123,7 @@ def take_snapshot(
 ) -> Fleet:
     now = time.monotonic() if now is None else now
     views = []
+    typical: dict[str, int | None] = {}  # per pool, computed once
     for r in replicas:
         scrape = r.fresh_scrape(stale_after_s, now)
         factor = overcommit(r.id) if config.mode == "predicted" else 1.0
@@ -128,12 +132,15 @@ def take_snapshot(
             hit_rate = scrape.prefix_hits / scrape.prefix_queries
         views.append(ReplicaView(
             replica=r, id=r.id, pool=r.pool, healthy=r.healthy, circuit=circuit(r.id),
-            draining=r.draining, models=r.models, block_size=r.block_size or DEFAULT_BLOCK_SIZE,
+            draining=r.draining, models=r.models, block_size=r.kv_block_size,
             num_gpu_blocks=r.num_gpu_blocks,
             admissible_blocks=admissible_blocks(r, config),
-            reserved_blocks=reserved.get(r.id, 0), written_blocks=r.written_blocks(),
+            reserved_blocks=reserved.get(r.id, 0),
             shared_prefix_blocks=shared_prefix_blocks(r.id), inflight=len(r.inflight),
-            overcommit=factor, typical_blocks=typical_blocks(r.pool), scraped=scrape is not None,
+            overcommit=factor,
+            typical_blocks=typical[r.pool] if r.pool in typical else typical.setdefault(
+                r.pool, typical_blocks(r.pool)),
+            scraped=scrape is not None,
             waiting=scrape.waiting if scrape else None,
             running=scrape.running if scrape else None,
             kv_usage=scrape.kv_usage if scrape else None,

@@ -5,8 +5,10 @@
       └──────────── the trial request succeeds ─────────┴─ the trial fails ◄─────┘
 
 A failure is what says the replica, not the request, is broken: the connection failed, it
-answered 5xx, or it went silent past a timeout. A 4xx is the client's problem and counts as a
-success. While open the replica takes no new requests; half open it takes one trial at a time.
+answered 5xx, or a stream went silent past a timeout. A 4xx says nothing either way (the
+client's problem, or a replica that answers but serves nothing useful). While open the replica
+takes no new requests; half open it takes one trial request at a time, judged as soon as its
+answer's status arrives.
 Active checks (discovery's `/health`) mark a replica unhealthy on their own; the two combine in
 the router's filter. State is per instance: each kvgate learns from its own traffic.
 """
@@ -25,10 +27,16 @@ STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # kvgate_replica_circuit_state
 class _Circuit:
     failures: int = 0  # consecutive
     opened_at: float | None = None
-    trial: bool = False  # a half-open trial request is in flight
+    trial: str | None = None  # the request that holds the half-open trial
 
 
 class Breakers:
+    """One circuit per replica. `state` is what the fleet snapshot shows: closed, open
+    (cooling down), half_open (the trial window). Requests are let through a half-open circuit
+    one at a time: `claim` gives the trial to the first request that ranks the replica, and
+    only that request's verdict decides; verdicts of requests sent before the circuit opened
+    are ignored while it is open."""
+
     def __init__(
         self,
         failure_threshold: Callable[[], int],
@@ -48,46 +56,51 @@ class Breakers:
             return CLOSED
         if self.clock() - circuit.opened_at < self.open_s():
             return OPEN
-        return OPEN if circuit.trial else HALF_OPEN  # one trial at a time
+        return HALF_OPEN
 
-    def begin(self, replica_id: str) -> None:
-        """A request is being sent: if half open, it is the trial."""
-        if self.state(replica_id) == HALF_OPEN:
-            self._circuits[replica_id].trial = True
+    def claim(self, replica_id: str, holder: str) -> bool:
+        """May request `holder` be sent to this replica? Always while the circuit is closed;
+        half open, only the request holding the trial (the first to claim it)."""
+        state = self.state(replica_id)
+        if state == CLOSED:
+            return True
+        if state == OPEN:
+            return False
+        circuit = self._circuits[replica_id]
+        if circuit.trial is None:
+            circuit.trial = holder
+        return circuit.trial == holder
 
-    def judge(self, replica_id: str, failed: bool | None) -> None:
-        """What one request showed: the replica failed, answered, or nothing (the client left
-        first; a trial it was ends without a verdict, and the next request is the trial)."""
-        if failed is True:
-            self.failure(replica_id)
-        elif failed is False:
-            self.success(replica_id)
-        elif (circuit := self._circuits.get(replica_id)) is not None:
-            circuit.trial = False
+    def release(self, holder: str) -> None:
+        """The request is over: a trial it claimed but never judged goes to the next one."""
+        for circuit in self._circuits.values():
+            if circuit.trial == holder:
+                circuit.trial = None
 
-    def success(self, replica_id: str) -> None:
-        circuit = self._circuits.get(replica_id)
-        if circuit is None:
-            return
-        was_open = circuit.opened_at is not None
-        circuit.failures, circuit.opened_at, circuit.trial = 0, None, False
-        if was_open:
-            self.on_change(replica_id, CLOSED)
-
-    def failure(self, replica_id: str) -> None:
+    def judge(self, replica_id: str, failed: bool | None, holder: str) -> None:
+        """What one request showed of the replica: it failed, it answered, or nothing (the
+        client left first, or a 4xx that says nothing of the replica)."""
         circuit = self._circuits.setdefault(replica_id, _Circuit())
-        circuit.failures += 1
-        if circuit.opened_at is not None:
-            if circuit.trial:  # the trial failed: open again for a full period
-                circuit.opened_at, circuit.trial = self.clock(), False
+        if circuit.opened_at is not None:  # open: only the trial's verdict counts
+            if circuit.trial != holder or failed is None:
+                return
+            if failed:  # the trial failed: open again for a full period
+                circuit.opened_at, circuit.trial = self.clock(), None
                 self.on_change(replica_id, OPEN)
+            else:
+                circuit.failures, circuit.opened_at, circuit.trial = 0, None, None
+                self.on_change(replica_id, CLOSED)
             return
-        if circuit.failures >= self.failure_threshold():
-            circuit.opened_at = self.clock()
-            self.on_change(replica_id, OPEN)
+        if failed is False:
+            circuit.failures = 0
+        elif failed:
+            circuit.failures += 1
+            if circuit.failures >= self.failure_threshold():
+                circuit.opened_at = self.clock()
+                self.on_change(replica_id, OPEN)
 
     def forget(self, keep: set[str]) -> None:
-        """Drop the state of replicas no longer configured."""
+        """Drop the state of replicas no longer in the fleet."""
         for replica_id in list(self._circuits):
             if replica_id not in keep:
                 del self._circuits[replica_id]

@@ -54,6 +54,14 @@ class Ranking:
     hold_s: float = 0.0
     # scorer name -> the one replica it scored 1 (the session's, the prefix's), for metrics
     favourites: Mapping[str, str] = field(default_factory=dict)
+    fleet: Fleet | None = None  # the snapshot it was ranked against
+
+    def usable(self, waited_s: float) -> list[ReplicaView]:
+        """The replicas a request that has waited `waited_s` may be placed on now: only its
+        session's replica during the hold, then all of them in order."""
+        if self.sticky is not None and waited_s < self.hold_s:
+            return [self.sticky]
+        return self.replicas
 
 
 def scorers_for(names: Mapping[str, float], deps: Deps) -> dict[str, Scorer]:
@@ -89,7 +97,7 @@ class Router:
             v for v in fleet.in_pool(route.demand.pool) if all(f(route, v) for f in FILTERS)
         ]
         if not candidates:
-            return Ranking([])
+            return Ranking([], fleet=fleet)
         totals = [0.0] * len(candidates)
         sticky = None
         favourites = {}
@@ -112,4 +120,4 @@ class Router:
             key=lambda i: (-totals[i], candidates[i].load, candidates[i].id),
         )
         hold = config.sessions.affinity_wait_s if sticky is not None else 0.0
-        return Ranking([candidates[i] for i in order], sticky, hold, favourites)
+        return Ranking([candidates[i] for i in order], sticky, hold, favourites, fleet)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,29 +31,30 @@ log = logging.getLogger(__name__)
 # Recently read bindings, so a request retried from the queue every few milliseconds does not
 # read the store each time.
 CACHE_S = 1.0
-# A binding this instance wrote (or confirmed) to the same replica less than this long ago
-# (at most a tenth of its TTL) is not written again: a session's every request wrote the store
-# only to push its TTL on (issue 14). It may so expire up to this much earlier.
-REFRESH_S = 60.0
 CACHE_MAX = 10_000
 MAX_HEADER_KEY = 256
 
 
 def session_key(
-    parsed: ParsedRequest, headers: Mapping[str, str], config: SessionsConfig
+    parsed: ParsedRequest, headers: Mapping[str, str], config: SessionsConfig, tenant: str
 ) -> str | None:
-    """The request's session key from the first configured source that has one."""
+    """The request's session key from the first configured source that has one: a fixed-size
+    hash of the tenant, the model and the value, so that one tenant cannot reach another's
+    sessions, a session of two models is two sessions, and no client-sized value becomes a
+    store key."""
     for source in config.sources:
+        value = None
         if source == "header":
-            value = headers.get(config.header, "")
-            if 0 < len(value) <= MAX_HEADER_KEY and value.isprintable():
-                return f"h:{value}"
+            given = headers.get(config.header, "")
+            if 0 < len(given) <= MAX_HEADER_KEY and given.isprintable():
+                value = given
         elif source == "user" and parsed.user:
-            return f"u:{parsed.user}"
+            value = parsed.user
         elif source == "conversation":
-            digest = conversation_digest(parsed, config.conversation_messages)
-            if digest is not None:
-                return f"c:{digest}"
+            value = conversation_digest(parsed, config.conversation_messages)
+        if value is not None:
+            scoped = "\0".join((tenant, parsed.model, source, value)).encode()
+            return f"{source[0]}:{hashlib.blake2b(scoped, digest_size=16).hexdigest()}"
     return None
 
 
@@ -72,7 +74,7 @@ class Sessions:
         self.store = store
         self.metrics = metrics
         self._cache: dict[str, tuple[str | None, float]] = {}
-        self._written: dict[str, tuple[str, float]] = {}  # session -> (replica, when bound)
+        self._refreshed: dict[str, float] = {}  # session -> when this instance last bound it
 
     @staticmethod
     def store_key(session: str) -> str:
@@ -87,30 +89,30 @@ class Sessions:
         try:
             replica = await self.store.lookup(self.store_key(session))
         except (StateStoreError, KvgateError) as exc:
-            log.debug("session lookup failed: %s", exc)
+            # sessions are best effort: the request is routed as if unbound, and counted
+            log.warning("session lookup failed, routing as unbound: %s", exc)
+            self.metrics.session_routes.labels("new", "store_error").inc()
             return None
         self._remember(session, replica, now)
         return replica
 
     async def ran_on(
-        self, session: str, replica_id: str, fleet: Fleet, ttl_s: float
+        self, session: str, replica_id: str, fleet: Fleet | None, config: SessionsConfig
     ) -> None:
-        """The request of `session` was admitted on `replica_id`: bind (or rebind) the session
-        there and count what happened."""
+        """The request of `session` was served by `replica_id`: bind (or rebind) the session
+        there and count what happened. A binding this instance refreshed within the last
+        quarter of its TTL is not written again."""
         before = await self.bound(session)
         result, reason = "hit", "bound"
+        now = time.monotonic()
         if before is None:
             result, reason = "new", "unbound"
         elif before != replica_id:
             result, reason = "rebound", why_not(before, fleet)
-        now = time.monotonic()
-        written = self._written.get(session)
-        if (
-            result == "hit" and written is not None and written[0] == replica_id
-            and now - written[1] < min(REFRESH_S, ttl_s / 10)
-        ):  # fmt: skip
+        elif now - self._refreshed.get(session, -math.inf) < config.ttl_s / 4:
             self.metrics.session_routes.labels(result, reason).inc()
             return
+        ttl_s = config.ttl_s
         try:
             now_bound = await self.store.bind(
                 self.store_key(session), replica_id, ttl_s, replace=before
@@ -119,22 +121,22 @@ class Sessions:
             log.debug("session bind failed: %s", exc)
             self.metrics.session_routes.labels(result, "store_error").inc()
             return
-        self._remember(session, now_bound, time.monotonic())
+        self._remember(session, now_bound, now)
         if now_bound == replica_id:
-            if len(self._written) >= CACHE_MAX:
-                self._written.clear()  # bounded; a forgotten one is written once more
-            self._written[session] = (replica_id, now)
+            if len(self._refreshed) >= CACHE_MAX:
+                self._refreshed.clear()  # bounded; the next request of each just binds again
+            self._refreshed[session] = now
         self.metrics.session_routes.labels(result, reason).inc()
 
     def _remember(self, session: str, replica: str | None, at: float) -> None:
         if len(self._cache) >= CACHE_MAX:
-            self._cache.clear()  # crude but bounded; entries live a second anyway
+            self._cache.clear()  # bounded; entries live a second anyway
         self._cache[session] = (replica, at)
 
 
-def why_not(replica_id: str, fleet: Fleet) -> str:
+def why_not(replica_id: str, fleet: Fleet | None) -> str:
     """Why a session left the replica it was bound to."""
-    view = fleet.get(replica_id)
+    view = fleet.get(replica_id) if fleet is not None else None
     if view is None:
         return "gone"
     if view.draining:

@@ -115,11 +115,11 @@ async def test_a_second_cancellation_during_the_ledger_release_still_frees_the_s
     async def request() -> None:
         async with gate.admit(shared_demand(), gate.in_order([r])) as slot:
             assert slot.shared is not None and slot.shared.blocks == 9
-            assert await store.held(ledger_key(r)) == 20
+            assert await store.held(ledger_key(r.id)) == 20
 
     task = asyncio.create_task(request())
     await cancel_twice_while_releasing(task, store)
-    assert await store.held(ledger_key(r)) == 0
+    assert await store.held(ledger_key(r.id)) == 0
     assert len(gate.prefixes) == 0
     assert gate.keeper.live_leases() == 0
     assert gate.reserved.get(r.id, 0) == 0
@@ -159,7 +159,7 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
     # A request whose context is entered and never left: the leak the keeper must catch.
     forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]))
     await forgotten.__aenter__()
-    assert await store.held(ledger_key(r)) == 20
+    assert await store.held(ledger_key(r.id)) == 20
 
     now[0] = 59.0
     assert await keeper.drop_stale() == 0
@@ -168,5 +168,5 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
         assert await keeper.drop_stale() == 1
     assert "dropped as leaked" in caplog.text
     assert dropped == ["ledger"]
-    assert await store.held(ledger_key(r)) == 0
+    assert await store.held(ledger_key(r.id)) == 0
     assert len(gate.prefixes) == 0 and keeper.live_leases() == 0

@@ -12,7 +12,9 @@ import aiohttp
 import orjson
 import pytest
 
-from kvgate.routing.sessions import Sessions
+from kvgate.config import SessionsConfig
+from kvgate.requests import Endpoint, parse_body
+from kvgate.routing.sessions import Sessions, session_key
 from kvgate.sim.faults import Faults
 from kvgate.state.redis import RedisStore
 from tests.plugins.gateway import RunningGateway, gateway_config, wait_settled
@@ -164,14 +166,17 @@ async def test_a_stream_cut_after_it_began_is_not_retried(sim_factory, gateway_f
         [], pools={"default": {"replicas": names([sim, other])}},
         routing={"scorers": {"round_robin": 1}},
     ))
+    cut = 0
     async with aiohttp.ClientSession() as http:
-        for i in range(2):  # one of the two goes to the dropping replica
+        for i in range(2):  # round robin: one of the two goes to the dropping replica
             body = {**chat(f"q{i}", 16), "stream": True}
             async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
                 raw = await resp.read()
             if resp.headers["X-Kvgate-Replica"] == "r0":
                 assert b'"error"' in raw  # told in-band; never sent twice
+                cut += 1
+    assert cut == 1
     assert "kvgate_upstream_retries_total{" not in gw.gateway.metrics.render().decode()
     await wait_settled(gw)
 
@@ -206,6 +211,14 @@ async def shared_redis(redis_url: str, key_prefix: str) -> dict[str, Any]:
     return {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix}
 
 
+def stored_session(header_value: str) -> str:
+    """The store key kvgate binds the anonymous tenant's session `header_value` under."""
+    parsed = parse_body(orjson.dumps(chat("x")), Endpoint.CHAT)
+    key = session_key(parsed, {"X-Session-Id": header_value}, SessionsConfig(), "anonymous")
+    assert key is not None
+    return Sessions.store_key(key)
+
+
 async def test_bindings_are_shared_by_two_instances_and_survive_a_restart(
     sim_factory, gateway_factory, shared_redis, redis_url, key_prefix
 ):
@@ -216,22 +229,76 @@ async def test_bindings_are_shared_by_two_instances_and_survive_a_restart(
                               state=shared_redis,
                               routing={"scorers": {"session": 4, "round_robin": 1}})
 
-    first, second = await gateway_factory(config()), await gateway_factory(config())
-    async with aiohttp.ClientSession() as http:
-        _, home = await post(http, first, chat("hello"), session="shared-chat")
-        served = [await post(http, second, chat(f"turn {i}"), session="shared-chat")
-                  for i in range(4)]
-        assert served == [(200, home)] * 4
-        # round robin alone would have spread those: other sessions do spread
-        spread = {replica for _, replica in
-                  [await post(http, second, chat("x"), session=f"other-{i}") for i in range(6)]}
-        assert len(spread) > 1
-        await first.runner.cleanup()
-        await second.runner.cleanup()
-        restarted = await gateway_factory(config())
-        assert await post(http, restarted, chat("back"), session="shared-chat") == (200, home)
     store = RedisStore(redis_url, key_prefix=key_prefix)
+    first, second = await gateway_factory(config()), await gateway_factory(config())
     try:
-        assert await store.lookup(Sessions.store_key("h:shared-chat")) == home
+        async with aiohttp.ClientSession() as http:
+            _, hashed = await post(http, first, chat("hello"), session="shared-chat")
+            # move the binding where the session key's own hash order would not send it: from
+            # here on only the binding in Redis can bring the session there
+            home = next(f"r{i}" for i in range(3) if f"r{i}" != hashed)
+            key = stored_session("shared-chat")
+            assert await store.bind(key, home, 60, replace=hashed) == home
+            served = [await post(http, second, chat(f"turn {i}"), session="shared-chat")
+                      for i in range(4)]
+            assert served == [(200, home)] * 4
+            await first.runner.cleanup()
+            await second.runner.cleanup()
+            restarted = await gateway_factory(config())
+            assert await post(http, restarted, chat("back"), session="shared-chat") == (200, home)
+        assert await store.lookup(key) == home
     finally:
         await store.close()
+
+
+async def test_a_half_open_replica_takes_one_trial_not_a_burst(sim_factory, gateway_factory):
+    bad, good = await sim_factory(**SIM, seed=1), await sim_factory(**SIM, seed=2)
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": names([bad, good])}},
+        routing={"scorers": {"least_loaded": 1}, "circuit": {"failure_threshold": 1,
+                                                             "open_s": 0.5}},
+    ))
+    await bad.set_faults(Faults(error_rate=1.0))
+    async with aiohttp.ClientSession() as http:
+        while gw.gateway.breakers.state("r0") != "open":
+            assert (await post(http, gw, chat("trip")))[0] == 200  # retried on r1
+        # recovered, but slow to answer: the trial holds the circuit half open meanwhile
+        await bad.set_faults(Faults(latency_s=0.5))
+        await until(lambda: gw.gateway.breakers.state("r0") == "half_open")
+        burst = await asyncio.gather(*(post(http, gw, chat(f"b{i}")) for i in range(10)))
+    assert all(status == 200 for status, _ in burst)
+    assert [replica for _, replica in burst].count("r0") == 1  # the trial, and no one else
+    assert gw.gateway.breakers.state("r0") == "closed"
+    await wait_settled(gw)
+
+
+async def test_a_session_waiting_for_its_replica_does_not_hold_up_other_requests(
+    sim_factory, gateway_factory
+):
+    sims = [await sim_factory(**{**SIM, "num_gpu_blocks": 64, "max_model_len": 1000,
+                                 "time_scale": 0.05}, seed=i)
+            for i in range(2)]
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": names(sims)}},
+        admission={"mode": "worst_case", "queue": {"wait_budget_s": {"standard": 10}}},
+        # a loose bound: the session keeps its full replica, and waits for it
+        routing={"sessions": {"sources": ["header"], "affinity_wait_s": 2.0}, "load_factor": 10},
+    ))
+    admissions = gw.gateway.metrics.admissions
+    async with aiohttp.ClientSession() as http:
+        _, home = await post(http, gw, chat("hello"), session="s1")
+        other = "r1" if home == "r0" else "r0"
+        # fill the session's replica: 57 of its 57 admissible blocks, for a while
+        filler = asyncio.create_task(post(http, gw, {**chat("fill", 880), "messages": [
+            {"role": "user", "content": "x"}]}, session="s1"))
+        await until(lambda: gw.gateway.admission.reserved.get(home, 0) >= 50)
+        held = asyncio.create_task(post(http, gw, chat("turn 2"), session="s1"))
+        await until(lambda: len(gw.gateway.admission._pool("default").queue) == 1)
+        before = admissions.labels("default", other, "no")._value.get()
+        assert await post(http, gw, chat("no session")) == (200, other)
+        # placed at once, not queued behind the session's request
+        assert admissions.labels("default", other, "no")._value.get() == before + 1
+        assert not held.done()
+        await filler
+        assert (await held)[0] == 200
+    await wait_settled(gw)

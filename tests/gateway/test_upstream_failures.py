@@ -239,3 +239,44 @@ async def test_the_gateway_serves_again_once_the_replica_recovers(stub_factory, 
     status, _, raw = await post(f"{gw.url}/v1/chat/completions", STREAM)
     assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
     await wait_settled(gw)
+
+
+async def test_a_replica_whose_connections_time_out_is_unreachable_and_retried_elsewhere(
+    stub_factory, gateway_factory
+):
+    """A replica that drops connection attempts (a node gone from the network) times out in
+    connect: the request never got there, so it goes to another replica, not a 504."""
+    dark, other = await stub_factory(), await stub_factory()
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": [{"url": dark.url, "name": "dark"},
+                                            {"url": other.url, "name": "other"}]}},
+        discovery=SLOW_DISCOVERY, routing={"scorers": {"round_robin": 1}},
+        timeouts={"connect_s": 0.3, "first_byte_s": 10, "idle_s": 10, "total_s": 30},
+    ))
+    host, port = dark.url.removeprefix("http://").split(":")
+    assert dark.runner is not None
+    await dark.runner.cleanup()
+    # a listener whose accept queue is full and never drained: the kernel drops further
+    # connection attempts, as a vanished host does
+    hole = socket.socket()
+    hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hole.bind((host, int(port)))
+    hole.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex((host, int(port)))
+            fillers.append(filler)
+        await asyncio.sleep(0.05)
+        status, headers, raw = await post(f"{gw.url}/v1/chat/completions", CHAT)
+        assert status == 200, raw
+        assert headers["x-kvgate-replica"] == "other"
+        text = gw.gateway.metrics.render().decode()
+        assert 'kvgate_upstream_retries_total{pool="default",reason="unreachable"} 1.0' in text
+    finally:
+        for filler in fillers:
+            filler.close()
+        hole.close()
+    await wait_settled(gw)

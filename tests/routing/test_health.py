@@ -1,8 +1,12 @@
-"""The circuit breaker: consecutive failures open it, a trial after open_s closes or reopens."""
+"""The circuit breaker: consecutive failures open it; after open_s one request at a time holds
+the trial, and only its verdict closes or reopens the circuit."""
 
 from __future__ import annotations
 
+from kvgate.routing.failover import trial_gate
 from kvgate.routing.health import CLOSED, HALF_OPEN, OPEN, Breakers
+from kvgate.routing.router import Ranking
+from tests.routing.fleets import fleet, replica
 
 
 class Clock:
@@ -17,37 +21,40 @@ def breakers(clock: Clock, changes: list[tuple[str, str]]) -> Breakers:
     return Breakers(lambda: 3, lambda: 10.0, clock, lambda r, s: changes.append((r, s)))
 
 
-def trip(b: Breakers, replica: str = "a") -> None:
+def trip(b: Breakers, replica_id: str = "a") -> None:
     """Three failures in a row: the threshold."""
-    for _ in range(3):
-        b.judge(replica, True)
+    for i in range(3):
+        b.judge(replica_id, True, f"old-{i}")
 
 
 def test_consecutive_failures_open_the_circuit_and_a_success_between_resets_the_count():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
-    b.judge("a", True)
-    b.judge("a", True)
-    b.judge("a", False)  # answered: the count starts again
-    b.judge("a", True)
-    b.judge("a", True)
+    b.judge("a", True, "r1")
+    b.judge("a", True, "r2")
+    b.judge("a", False, "r3")  # answered: the count starts again
+    b.judge("a", None, "r4")  # a 4xx, or the client left: says nothing
+    b.judge("a", True, "r5")
+    b.judge("a", True, "r6")
     assert b.state("a") == CLOSED
-    b.judge("a", True)
+    b.judge("a", True, "r7")
     assert b.state("a") == OPEN and changes == [("a", OPEN)]
 
 
-def test_after_open_s_one_trial_goes_through_and_its_success_closes_the_circuit():
+def test_after_open_s_only_the_trial_holder_is_let_through_and_its_success_closes_it():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
     trip(b)
-    clock.now = 9.9
-    assert b.state("a") == OPEN
+    assert not b.claim("a", "early")
     clock.now = 10.0
     assert b.state("a") == HALF_OPEN
-    b.begin("a")
-    assert b.state("a") == OPEN  # one trial at a time
-    b.judge("a", False)
+    assert b.claim("a", "trial") and b.claim("a", "trial")
+    assert not b.claim("a", "another")  # one trial at a time
+    b.judge("a", False, "a-request-from-before")  # not the trial: ignored while open
+    assert b.state("a") == HALF_OPEN
+    b.judge("a", False, "trial")
     assert b.state("a") == CLOSED and changes[-1] == ("a", CLOSED)
+    assert b.claim("a", "another")
 
 
 def test_a_failed_trial_opens_the_circuit_for_another_full_period():
@@ -55,8 +62,8 @@ def test_a_failed_trial_opens_the_circuit_for_another_full_period():
     b = breakers(clock, changes)
     trip(b)
     clock.now = 10.0
-    b.begin("a")
-    b.judge("a", True)
+    assert b.claim("a", "trial")
+    b.judge("a", True, "trial")
     assert b.state("a") == OPEN
     clock.now = 19.9
     assert b.state("a") == OPEN
@@ -64,14 +71,28 @@ def test_a_failed_trial_opens_the_circuit_for_another_full_period():
     assert b.state("a") == HALF_OPEN
 
 
-def test_a_trial_the_client_abandoned_lets_the_next_request_be_the_trial():
+def test_a_trial_that_ends_without_a_verdict_goes_to_the_next_request():
     clock, changes = Clock(), []
     b = breakers(clock, changes)
     trip(b)
     clock.now = 10.0
-    b.begin("a")
-    b.judge("a", None)  # the client left before the replica showed anything
-    assert b.state("a") == HALF_OPEN
+    assert b.claim("a", "trial")
+    b.judge("a", None, "trial")  # the client left first
+    b.release("trial")  # the request is over
+    assert b.claim("a", "next")
+
+
+def test_the_ranking_keeps_a_half_open_replica_only_for_the_trial_holder():
+    clock, changes = Clock(), []
+    b = breakers(clock, changes)
+    trip(b, "a")
+    clock.now = 10.0
+    snapshot = fleet(replica("a"), replica("b"), circuits={"a": b.state("a")})
+    ranking = Ranking(list(snapshot), sticky=next(iter(snapshot)), hold_s=1.0)
+    first = trial_gate(ranking, b, "first")
+    assert [v.id for v in first.replicas] == ["a", "b"] and first.sticky is not None
+    second = trial_gate(ranking, b, "second")
+    assert [v.id for v in second.replicas] == ["b"] and second.sticky is None
 
 
 def test_replicas_have_circuits_of_their_own_and_forgotten_ones_close():

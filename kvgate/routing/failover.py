@@ -1,0 +1,59 @@
+"""What one attempt at a replica says of it, and whether the request may go elsewhere: pure
+functions of the attempt's `Outcome`, for the circuit breaker and the retry in
+`Gateway.serve`; and the gate that lets a half-open replica take one trial request at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvgate.config import RetryConfig
+from kvgate.errors import KvgateError, UpstreamError, UpstreamTimeout
+from kvgate.routing.health import HALF_OPEN, Breakers
+from kvgate.routing.router import Ranking
+from kvgate.upstream import Outcome
+
+
+def replica_failed(outcome: Outcome, stream: bool) -> bool | None:
+    """True if the replica failed (unreachable, 5xx, a stream broken or silent past a
+    timeout), False if it answered (2xx or 3xx), None if the attempt says nothing of it: the
+    client left first, a 4xx (the client's problem, or a replica that answers but serves
+    nothing useful: not proof of health), or a whole answer that took longer than first_byte_s
+    (vLLM sends a non-streamed answer's headers only when it is done: long is not broken)."""
+    if outcome.unreachable:
+        return True
+    if outcome.upstream_failed:
+        return not (outcome.status == 0 and outcome.timed_out and not stream)
+    if 0 < outcome.status < 400:
+        return False
+    return None
+
+
+def retry_reason(exc: KvgateError, outcome: Outcome, retry: RetryConfig) -> str | None:
+    """Why the request may go to another replica, or None. Only failures before any byte
+    reached the client (the relay raises those; later ones end the stream in-band) and before
+    the replica could have done the work: it was unreachable, answered 5xx, or — when
+    retry.on_timeout — sent no headers within first_byte_s."""
+    if outcome.sent_at is None or not isinstance(exc, UpstreamError | UpstreamTimeout):
+        return None
+    if outcome.unreachable:
+        return "unreachable"
+    if outcome.status >= 500:
+        return "upstream_error"
+    if outcome.status == 0:
+        if isinstance(exc, UpstreamTimeout):
+            return "timeout" if retry.on_timeout else None
+        return "upstream_error"  # the connection broke before the headers
+    return None
+
+
+def trial_gate(ranking: Ranking, breakers: Breakers, holder: str) -> Ranking:
+    """The ranking without the half-open replicas whose trial another request holds."""
+    kept = [
+        view for view in ranking.replicas
+        if view.circuit != HALF_OPEN or breakers.claim(view.id, holder)
+    ]
+    if len(kept) == len(ranking.replicas):
+        return ranking
+    sticky = ranking.sticky if ranking.sticky in kept else None
+    return dataclasses.replace(ranking, replicas=kept, sticky=sticky)
