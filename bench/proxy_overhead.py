@@ -1,23 +1,31 @@
-"""What kvgate costs on the request path, measured against two baselines in the same run.
+"""What kvgate costs on the request path, against the real contenders, in one run and harness.
 
-Starts, each in its own process on 127.0.0.1:
+Starts, each in its own process(es) on 127.0.0.1:
   - the upstream: `bench/stub_upstream.py`, a vLLM stand-in that answers at once from
-    pre-rendered bytes (not `kvgate sim`, whose engine loop and scheduler would add their
-    own cost and jitter to every path and blur the proxy's share);
-  - (b) `bench/passthrough.py`, a minimal aiohttp proxy to the stub: what any Python proxy on
-    the same stack costs;
-  - (c) `kvgate serve --upstream STUB --port N`: in-memory state, admission on, as shipped
-    (INFO logging, so aiohttp's access log is on).
-Then drives (a) the stub directly, (b) and (c) with the same aiohttp client from this process:
-non-streamed chat (max_tokens 16) and streamed chat (32 token chunks), closed loop with C
-concurrent clients, a warm-up then a fixed measured time per cell, split into rounds that
-interleave the three paths. Reports requests/s, latency p50/p99 and server CPU per request
-for each path, and kvgate against both baselines.
-Everything shares the machine's cores, so the ratios are the result, not the absolute rates.
+    pre-rendered bytes (not `kvgate sim`, whose engine would blur the proxy's share);
+  - the contenders in front of it (`--contenders`, default all that can start here):
+      direct            the stub itself (the floor: no proxy)
+      passthrough       `bench/passthrough.py`, a minimal aiohttp proxy (the Python floor)
+      vllm-router       the `vllm-router` package (Rust), round robin over the one stub
+      nginx             nginx with one worker, keep-alive upstream, no buffering (native floor)
+      kvgate            `kvgate serve --upstream STUB`: defaults (memory store, admission on)
+      kvgate-all-memory every feature on: tenants in api_key mode with limits (tokens,
+                        requests, concurrency), admission, sessions + prefix routing, the
+                        access log, normalization when the build has it; memory store
+      kvgate-all-redis  the same on the Redis store (REDIS_URL, default redis://127.0.0.1:6379)
+      kvgate-all-redis-2w  the same with `--workers 2` (both cores; not pinned)
+Then drives every contender with the same aiohttp client from this process: non-streamed chat
+(max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
+of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
+into rounds that interleave the contenders in rotating order. With `--pin` (default on a
+machine with 2+ cores) the proxy runs on core 0 and the driver and the stub on core 1, so CPU
+per request and requests/s are per proxy core.
+Reports requests/s, latency p50/p99 and time to first byte, CPU per request of the proxy's
+processes (from /proc, children included), relayed chunks/s; ratios against the pass-through
+and vllm-router. Markdown and JSON under bench/results/.
 Children are stopped on exit (finally, atexit, and the kernel's parent-death signal).
 
-    .venv/bin/python bench/proxy_overhead.py [--duration 5] [--warmup 1]
-        [--concurrency 1 32] [--rounds 3] [--out bench/results/proxy_overhead.md]
+    .venv/bin/python bench/proxy_overhead.py [--duration 4] [--rounds 2] [--contenders ...]
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import hashlib
+import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,19 +48,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 import orjson
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("direct", "passthrough", "kvgate")
-SYSTEM = "You are a helpful assistant for a KV-cache gateway benchmark. Answer briefly. " * 4
-JSON = {"Content-Type": "application/json"}
+SYSTEM = "You are a helpful assistant for a KV-cache gateway benchmark. Answer briefly. " * 11
+API_KEY = "bench-key"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
 START_TIMEOUT_S = 40.0
 REQUEST_TIMEOUT_S = 10.0
-RAMP_S = 0.1  # unmeasured lead of every slice after a path's first
+RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
+CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
+              "kvgate-all-redis", "kvgate-all-redis-2w")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,26 +95,26 @@ class Workload:
         return raw.count(b"word ") == self.max_tokens
 
 
-WORKLOADS = (
-    Workload("non-streamed (max_tokens 16)", 16, False),
-    Workload("streamed (32 chunks)", 32, True),
-)
+NON_STREAMED = Workload("non-streamed", 16, False)
+STREAMED = Workload("streamed", 64, True)
 
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One path under one workload and concurrency: what the measured window saw."""
+    """One contender under one workload and concurrency: what the measured windows saw."""
 
     workload: str
     concurrency: int
-    path: str
+    contender: str
     requests: int
     seconds: float
     errors: int
     p50_ms: float
     p99_ms: float
-    proxy_cpu_ms: float | None  # CPU time of the proxy process per request (none when direct)
+    ttfb_p50_ms: float
+    proxy_cpu_ms: float | None  # CPU of the proxy's processes per request (none when direct)
     stub_cpu_ms: float
+    chunks: int  # content chunks per request (streams)
 
     @property
     def rate(self) -> float:
@@ -114,9 +129,28 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU time of a process so far (Linux /proc); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a multi-process proxy: nginx, kvgate --workers N)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        found += children
+        todo += children
+    return found
 
 
 class Children:
@@ -127,29 +161,34 @@ class Children:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         atexit.register(self.stop)
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, argv: list[str], cpus: str | None = None, cwd: Path = ROOT
+    ) -> None:
+        if cpus is not None and shutil.which("taskset"):
+            argv = ["taskset", "-c", cpus, *argv]
         with (self.logs / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            self.procs[name] = subprocess.Popen(
+                argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
             )  # fmt: skip
-        self.procs[name] = proc
-        return proc
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        """Servers first; a profiler writes its file once its process is gone."""
+        servers = [p for name, p in self.procs.items() if not name.startswith("py-spy")]
+        for group in (servers, list(self.procs.values())):
+            for proc in group:
+                if proc.poll() is None and proc in servers:
+                    proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
 
 
 def _die_with_parent() -> None:
@@ -179,32 +218,137 @@ async def wait_ready(http: aiohttp.ClientSession, children: Children, name: str,
     raise RuntimeError(f"{name} not ready after {START_TIMEOUT_S:g}s:\n{children.log_tail(name)}")
 
 
-async def start_servers(children: Children) -> dict[str, str]:
-    """Start stub, passthrough and kvgate; return each path's base URL once all are ready."""
+def vllm_router_command() -> str | None:
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def nginx_config(logs: Path, port: int, stub_port: int) -> Path:
+    temp = logs / "nginx-temp"
+    temp.mkdir(exist_ok=True)
+    path = logs / "nginx.conf"
+    path.write_text(f"""
+daemon off; master_process off; worker_processes 1; pid {logs}/nginx.pid;
+error_log {logs}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {temp}/body; proxy_temp_path {temp}/proxy;
+  fastcgi_temp_path {temp}/fcgi; uwsgi_temp_path {temp}/uwsgi; scgi_temp_path {temp}/scgi;
+  upstream stub {{ server 127.0.0.1:{stub_port}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} reuseport;
+    location / {{
+      proxy_pass http://stub; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_request_buffering off;
+    }}
+  }}
+}}
+""")
+    return path
+
+
+def kvgate_all_config(port: int, stub: str, redis_prefix: str | None) -> dict[str, object]:
+    """Every feature on: one tenant in api_key mode with limits far above the load (so each
+    request pays for every check without being refused), admission, sessions and prefix
+    routing (defaults), the access log; normalization when this build has it."""
+    tree: dict[str, object] = {
+        "server": {"host": "127.0.0.1", "port": port, "access_log": True},
+        "pools": {"default": {"replicas": [{"url": stub}]}},
+        "auth": {"mode": "api_key"},
+        "tenants": [{
+            "name": "bench", "api_key_sha256": [hashlib.sha256(API_KEY.encode()).hexdigest()],
+            "tokens_per_minute": 2_000_000_000, "requests_per_minute": 50_000_000,
+            "max_concurrent": 4096,
+        }],
+        "state": {"backend": "memory"} if redis_prefix is None else {
+            "backend": "redis", "redis_url": REDIS_URL, "key_prefix": redis_prefix,
+        },
+    }  # fmt: skip
+    if (ROOT / "kvgate" / "normalize").exists():
+        tree["normalization"] = {"enabled": True}
+    return tree
+
+
+def unavailable(name: str) -> str | None:
+    """Why a contender cannot run here, or None."""
+    if name == "vllm-router" and vllm_router_command() is None:
+        return "the vllm-router command is not installed (pip install -e '.[bench]')"
+    if name == "nginx" and shutil.which("nginx") is None:
+        return "nginx is not installed (apt-get install nginx-light)"
+    if "redis" in name:
+        try:
+            import redis
+
+            redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping()
+        except Exception as exc:
+            return f"no Redis at {REDIS_URL}: {exc}"
+    return None
+
+
+async def start_servers(
+    children: Children, names: list[str], pin: bool, run_id: str, ab: str | None = None
+) -> dict[str, str]:
+    """Start the stub and every contender; return each one's base URL once all are ready."""
     py = sys.executable
-    ports = {name: free_port() for name in PATHS}
-    stub = f"http://127.0.0.1:{ports['direct']}"
-    children.start("stub", [py, "bench/stub_upstream.py", "--port", str(ports["direct"])])
-    children.start("passthrough", [py, "bench/passthrough.py", "--upstream", stub,
-                                   "--port", str(ports["passthrough"])])  # fmt: skip
-    children.start("kvgate", [py, "-m", "kvgate.cli", "serve", "--upstream", stub,
-                              "--port", str(ports["kvgate"])])  # fmt: skip
-    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    proxy_cpus, other_cpus = ("0", "1") if pin else (None, None)
+    stub_port = free_port()
+    stub = f"http://127.0.0.1:{stub_port}"
+    children.start("direct", [py, "bench/stub_upstream.py", "--port", str(stub_port)], other_cpus)
+    urls = {"direct": stub}
+    ready = {"direct": stub + "/health"}
+    for name in names:
+        if name == "direct":
+            continue
+        base = name.endswith("@base")
+        kind = name.removesuffix("@base")
+        port = free_port()
+        url = urls[name] = f"http://127.0.0.1:{port}"
+        ready[name] = url + "/health"
+        if kind == "passthrough":
+            argv = [py, "bench/passthrough.py", "--upstream", stub, "--port", str(port)]
+        elif kind == "vllm-router":
+            argv = [vllm_router_command() or "vllm-router", "--host", "127.0.0.1",
+                    "--port", str(port), "--worker-urls", stub, "--policy", "round_robin",
+                    "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+        elif kind == "nginx":
+            argv = ["nginx", "-c", str(nginx_config(children.logs, port, stub_port)), "-p",
+                    str(children.logs)]  # fmt: skip
+        elif kind == "kvgate":
+            argv = [py, "-m", "kvgate.cli", "serve", "--upstream", stub, "--port", str(port)]
+            ready[name] = url + "/ready"
+        else:
+            prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
+            path = children.logs / f"{name}.yaml"
+            tree = kvgate_all_config(port, stub, prefix)
+            if base and ab and not (Path(ab) / "kvgate" / "normalize").exists():
+                tree.pop("normalization", None)
+            path.write_text(yaml.safe_dump(tree))
+            argv = [py, "-m", "kvgate.cli", "serve", "--config", str(path)]
+            if kind.endswith("-2w"):
+                argv += ["--workers", "2"]
+            elif not base:  # one process, pinned (with Redis the default is one per core)
+                argv += ["--workers", "1"]
+            ready[name] = url + "/ready"
+        cwd = ROOT
+        if base and ab:  # the same command, run from the other tree's code
+            argv, cwd = ["env", f"PYTHONPATH={ab}", *argv], Path(ab)
+        children.start(name, argv, None if kind.endswith("-2w") else proxy_cpus, cwd)
     async with aiohttp.ClientSession() as http:
-        await wait_ready(http, children, "stub", stub + "/health")
-        await wait_ready(http, children, "passthrough", urls["passthrough"] + "/health")
-        await wait_ready(http, children, "kvgate", urls["kvgate"] + "/ready")
+        for name, url in ready.items():
+            await wait_ready(http, children, name, url)
     return urls
 
 
 @dataclass(slots=True)
 class Tally:
-    """What one path's measured windows saw, summed over the rounds."""
+    """What one contender's measured windows saw, summed over the rounds."""
 
     latencies: list[float] = field(default_factory=list)
+    ttfb: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
-    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process tree
 
 
 async def run_slice(
@@ -223,17 +367,21 @@ async def run_slice(
         i = k
         while clock() < stop_at:
             began = clock()
+            first = began
             ok = False
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.post(url, data=bodies[i % len(bodies)], headers=JSON,
+                async with http.post(url, data=bodies[i % len(bodies)], headers=HEADERS,
                                      timeout=timeout) as response:  # fmt: skip
-                    raw = await response.read()
+                    head = await response.content.readany()
+                    first = clock()
+                    raw = head + await response.read() if head else head
                     ok = response.status == 200 and workload.complete(raw)
             ended = clock()
             i += concurrency
             if start_at <= ended < stop_at:
                 if ok:
                     tally.latencies.append(ended - began)
+                    tally.ttfb.append(first - began)
                 else:
                     tally.errors += 1
 
@@ -257,93 +405,143 @@ async def run_cells(
     urls: dict[str, str], workload: Workload, concurrency: int, args: argparse.Namespace,
     cpu: Callable[[], dict[str, float]],
 ) -> list[Cell]:  # fmt: skip
-    """The three paths under one workload and concurrency, interleaved: `rounds` rounds, each
-    giving every path an equal slice (in rotating order), so drifting background load on a
-    shared machine falls on all paths alike. Each path's first slice starts with the warm-up;
-    later ones with a short unmeasured lead while the clients ramp up."""
+    """Every contender under one workload and concurrency, interleaved: `rounds` rounds,
+    each giving every contender an equal slice (in rotating order), so drifting background
+    load falls on all alike. Each contender's first slice starts with the warm-up."""
+    names = list(urls)
     bodies = workload.bodies()
     window = args.duration / args.rounds
-    tallies = {path: Tally() for path in PATHS}
+    tallies = {name: Tally() for name in names}
     async with contextlib.AsyncExitStack() as stack:
         sessions = {
-            path: await stack.enter_async_context(
+            name: await stack.enter_async_context(
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
             )
-            for path in PATHS
+            for name in names
         }
         for r in range(args.rounds):
-            for path in PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 await run_slice(
-                    sessions[path], urls[path] + "/v1/chat/completions", workload, bodies,
-                    concurrency, args.warmup if r == 0 else RAMP_S, window, cpu, tallies[path],
+                    sessions[name], urls[name] + "/v1/chat/completions", workload, bodies,
+                    concurrency, args.warmup if r == 0 else RAMP_S, window, cpu, tallies[name],
                 )  # fmt: skip
-    return [cell(workload, concurrency, path, tallies[path]) for path in PATHS]
+    return [cell(workload, concurrency, name, tallies[name]) for name in names]
 
 
-def cell(workload: Workload, concurrency: int, path: str, tally: Tally) -> Cell:
-    latencies = sorted(tally.latencies)
+def cell(workload: Workload, concurrency: int, name: str, tally: Tally) -> Cell:
+    latencies, ttfb = sorted(tally.latencies), sorted(tally.ttfb)
     n = len(latencies)
 
-    def per_request(name: str) -> float:
-        return tally.cpu[name] * 1000 / n if n else float("nan")
+    def per_request(process: str) -> float:
+        return tally.cpu[process] * 1000 / n if n else float("nan")
 
     return Cell(
-        workload.name, concurrency, path, n, tally.seconds, tally.errors,
+        workload.name, concurrency, name, n, tally.seconds, tally.errors,
         percentile(latencies, 0.50) * 1000, percentile(latencies, 0.99) * 1000,
-        None if path == "direct" else per_request(path), per_request("stub"),
+        percentile(ttfb, 0.50) * 1000,
+        None if name == "direct" else per_request(name), per_request("direct"),
+        workload.max_tokens if workload.stream else 0,
     )  # fmt: skip
 
 
-def render(cells: list[Cell], args: argparse.Namespace) -> str:
-    rows = [
-        f"| {c.workload} | {c.concurrency} | {c.path} | {c.rate:.0f} | {c.p50_ms:.2f} "
-        f"| {c.p99_ms:.2f} | {'—' if c.proxy_cpu_ms is None else f'{c.proxy_cpu_ms:.2f}'} "
-        f"| {c.stub_cpu_ms:.2f} | {c.errors} |"
+def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, object]]:
+    """One row per contender: the headline figures (see the README's table)."""
+    by = {(c.workload, c.concurrency, c.contender): c for c in cells}
+    c_lo, c_hi = min(args.concurrency), max(args.concurrency)
+    s_lo, s_hi = min(args.stream_concurrency), max(args.stream_concurrency)
+    direct = by[(NON_STREAMED.name, c_lo, "direct")]
+    direct_s = by[(STREAMED.name, s_lo, "direct")]
+    rows = []
+    for name in dict.fromkeys(c.contender for c in cells):
+        one, many = by[(NON_STREAMED.name, c_lo, name)], by[(NON_STREAMED.name, c_hi, name)]
+        s_one, s_many = by[(STREAMED.name, s_lo, name)], by[(STREAMED.name, s_hi, name)]
+        rows.append({
+            "contender": name,
+            f"req_s_c{c_lo}": round(one.rate), f"req_s_c{c_hi}": round(many.rate),
+            "p50_added_ms": round(one.p50_ms - direct.p50_ms, 3),
+            "p99_added_ms": round(one.p99_ms - direct.p99_ms, 3),
+            "cpu_ms_per_request": None if many.proxy_cpu_ms is None else round(many.proxy_cpu_ms, 3),
+            f"streams_s_c{s_hi}": round(s_many.rate),
+            f"chunks_s_c{s_hi}": round(s_many.rate * s_many.chunks),
+            "stream_cpu_ms": None if s_many.proxy_cpu_ms is None else round(s_many.proxy_cpu_ms, 3),
+            "ttfb_added_ms": round(s_one.ttfb_p50_ms - direct_s.ttfb_p50_ms, 3),
+            "errors": sum(c.errors for c in cells if c.contender == name),
+        })  # fmt: skip
+    return rows
+
+
+def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Namespace) -> str:
+    c_lo, c_hi = min(args.concurrency), max(args.concurrency)
+    s_hi = max(args.stream_concurrency)
+    rate = {r["contender"]: r for r in rows}
+
+    def ratio(name: str, base: str, key: str) -> str:
+        if base not in rate or name == base:
+            return ""
+        a, b = rate[name][key], rate[base][key]
+        return f" ({a / b:.2f}×)" if isinstance(a, int | float) and isinstance(b, int | float) and b else ""  # type: ignore[operator]
+
+    def ms(value: object) -> str:
+        return "—" if value is None else f"{value:.2f}"
+
+    head = [
+        f"| contender | req/s c{c_lo} | req/s c{c_hi} (× pass-through) | P50 / P99 added at c{c_lo} "
+        f"| proxy CPU ms/req (c{c_hi}) | streams/s c{s_hi} (× vllm-router) | chunks/s c{s_hi} "
+        f"| stream CPU ms/stream | TTFB added (streamed, c1) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = str(r["contender"])
+        head.append(
+            f"| {name} | {r[f'req_s_c{c_lo}']} | {r[f'req_s_c{c_hi}']}"
+            f"{ratio(name, 'passthrough', f'req_s_c{c_hi}')} "
+            f"| {ms(r['p50_added_ms'])} / {ms(r['p99_added_ms'])} | {ms(r['cpu_ms_per_request'])} "
+            f"| {r[f'streams_s_c{s_hi}']}{ratio(name, 'vllm-router', f'streams_s_c{s_hi}')} "
+            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
+            f"| {r['errors']} |"
+        )
+    cells_md = [
+        f"| {c.workload} | {c.concurrency} | {c.contender} | {c.rate:.0f} | {c.p50_ms:.2f} "
+        f"| {c.p99_ms:.2f} | {c.ttfb_p50_ms:.2f} | {ms(c.proxy_cpu_ms)} | {c.stub_cpu_ms:.2f} "
+        f"| {c.errors} |"
         for c in cells
     ]
-    by_key = {(c.workload, c.concurrency, c.path): c for c in cells}
-    ratios = []
-    for w in WORKLOADS:
-        for conc in args.concurrency:
-            d, p, k = (by_key[(w.name, conc, path)] for path in PATHS)
-            pt_cpu = p.proxy_cpu_ms or float("nan")
-            ratios.append(
-                f"| {w.name} | {conc} | {k.rate / d.rate:.2f} | {k.rate / p.rate:.2f} "
-                f"| {k.p50_ms - d.p50_ms:+.2f} | {k.p50_ms - p.p50_ms:+.2f} "
-                f"| {k.p99_ms - p.p99_ms:+.2f} | {(k.proxy_cpu_ms or 0) / pt_cpu:.1f}× |"
-            )
     command = "python bench/proxy_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    skipped = [f"- {name}: not run — {why}" for name, why in args.skipped.items()]
     return "\n".join([
-        "# kvgate proxy overhead: direct vs minimal pass-through vs kvgate",
+        "# kvgate proxy overhead against the contenders",
         "",
-        "| workload | C | path | req/s | p50 ms | p99 ms | proxy CPU ms/req | stub CPU ms/req "
-        "| errors |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows,
+        *head,
         "",
-        "kvgate against the baselines (req/s ratios; added latency in ms; CPU per request of "
-        "kvgate's process over the pass-through's):",
+        "Added latency and TTFB are over going direct to the stub. CPU is the proxy's processes' "
+        "user + system time per request (children included), from /proc.",
         "",
-        "| workload | C | req/s kvgate/direct | req/s kvgate/passthrough | p50 added vs direct "
-        "| p50 added vs passthrough | p99 added vs passthrough | CPU/req kvgate/passthrough |",
-        "|---|---|---|---|---|---|---|---|",
-        *ratios,
+        *skipped,
+        "",
+        *[f"- {name}: Redis round trips (pipelines) / calls (scripts) per non-streamed request: "
+          + ", ".join(f"c{t['concurrency']} {t['round_trips_per_request']} / "
+                      f"{t['calls_per_request']}" for t in trips)
+          for name, trips in args.trips.items()],
+        "",
+        "## Every cell",
+        "",
+        "| workload | C | contender | req/s | p50 ms | p99 ms | TTFB p50 ms | proxy CPU ms/req "
+        "| stub CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *cells_md,
         "",
         f"- Command: `{command.strip()}`",
-        f"- Load: closed loop, C concurrent aiohttp clients in the driver process; "
-        f"{args.warmup:g} s warm-up then {args.duration:g} s measured per path and cell, in "
-        f"{args.rounds} interleaved rounds (paths in rotating order; {RAMP_S:g} s unmeasured "
-        "ramp per later slice); latency is "
-        "request sent → last byte read (whole SSE stream when streamed).",
-        "- Upstream: bench/stub_upstream.py (pre-rendered answers, one write per SSE event); "
-        "passthrough: bench/passthrough.py; kvgate: `kvgate serve --upstream STUB --port N` "
-        "(memory state, admission on, INFO logging with the access log). Each in its own "
-        "process, all on 127.0.0.1, uvloop everywhere.",
-        f"- Machine: `nproc` = {os.cpu_count()} cores shared by the client, the proxy and the "
-        "stub (and other work on this host), so absolute rates are low and noisy; compare the "
-        f"ratios. Load average before the run: {args.load_before}. "
-        f"{platform.system()} {platform.release()}, {platform.machine()}.",
-        f"- Python {platform.python_version()}, aiohttp {aiohttp.__version__}.",
+        f"- Load: closed loop, C concurrent aiohttp clients in the driver process; non-streamed "
+        f"chat with max_tokens {NON_STREAMED.max_tokens}, streamed chat of "
+        f"{STREAMED.max_tokens} chunks; a ~{len(NON_STREAMED.bodies(1)[0])}-byte body; "
+        f"{args.warmup:g} s warm-up then {args.duration:g} s measured per contender and cell, "
+        f"in {args.rounds} interleaved rounds (rotating order; {RAMP_S:g} s unmeasured ramp "
+        "per later slice); latency is request sent → last byte read.",
+        f"- Pinning: {'proxy on core 0, driver and stub on core 1 (taskset); a contender with several workers is not pinned' if args.pin else 'none'}.",
+        f"- Machine: `nproc` = {os.cpu_count()}, shared with other work (load average before "
+        f"the run: {args.load_before}). {platform.system()} {platform.release()}, "
+        f"{platform.machine()}. Python {platform.python_version()}, aiohttp "
+        f"{aiohttp.__version__}.",
         f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
     ])  # fmt: skip
@@ -354,31 +552,126 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
     assert this is not None
     # SIGTERM cancels the run, so `finally` in main stops the children.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this.cancel)
-    urls = await start_servers(children)
-    pids = {name: proc.pid for name, proc in children.procs.items()}
+    urls = await start_servers(children, args.names, args.pin, args.run_id, args.ab)
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    roots = {name: proc.pid for name, proc in children.procs.items()}
+    if args.profile:
+        profile(children, roots, Path(args.profile))
+    pids = {name: tree(pid) for name, pid in roots.items()}
 
     def cpu() -> dict[str, float]:
-        return {name: cpu_seconds(pid) for name, pid in pids.items()}
+        return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
 
-    cells = []
-    for workload in WORKLOADS:
-        for concurrency in args.concurrency:
-            for c in await run_cells(urls, workload, concurrency, args, cpu):
-                print(f"  {c.workload:30} C={c.concurrency:<3} {c.path:12} "
-                      f"{c.rate:7.0f} req/s  p50 {c.p50_ms:6.2f} ms", flush=True)  # fmt: skip
-                cells.append(c)
+    cells: list[Cell] = []
+    for name, url in urls.items():
+        if "redis" in name and not name.endswith("@base"):
+            args.trips[name] = [await store_trips(url, c, 400 if c == 1 else 3000)
+                                for c in args.concurrency]  # fmt: skip
+            print(f"  {name}: Redis {args.trips[name]}", flush=True)
+    plan = [(NON_STREAMED, c) for c in args.concurrency] + [
+        (STREAMED, c) for c in args.stream_concurrency
+    ]
+    for workload, concurrency in plan:
+        for c in await run_cells(urls, workload, concurrency, args, cpu):
+            print(f"  {c.workload:13} C={c.concurrency:<3} {c.contender:20} {c.rate:7.0f} req/s  "
+                  f"p50 {c.p50_ms:6.2f} ms  cpu {c.proxy_cpu_ms or 0:5.2f} ms", flush=True)  # fmt: skip
+            cells.append(c)
     return cells
+
+
+def profile(children: Children, roots: dict[str, int], out: Path) -> None:
+    """Sample every kvgate contender with py-spy until it exits (collapsed stacks, 250 Hz)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, pid in roots.items():
+        if name.startswith("kvgate"):
+            children.start(f"py-spy-{name}", [
+                str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                "--nonblocking", "--output", str(out / f"{name}.txt"),
+            ], "1")  # fmt: skip
+
+
+async def store_trips(url: str, concurrency: int, requests: int) -> dict[str, float]:
+    """Round trips to Redis (pipelines) and calls (scripts) per non-streamed request, from the
+    gateway's own counters (mirrored once a second, hence the pauses)."""
+
+    async def counters(http: aiohttp.ClientSession) -> dict[str, float]:
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+        out = dict.fromkeys(("round_trips", "calls", "requests"), 0.0)
+        for line in text.splitlines():
+            for key, name in (("round_trips", "kvgate_state_store_round_trips_total"),
+                              ("calls", "kvgate_state_store_calls_total"),
+                              ("requests", "kvgate_requests_total")):  # fmt: skip
+                if line.startswith(name):
+                    out[key] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    bodies = NON_STREAMED.bodies()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        await asyncio.sleep(1.2)
+        before = await counters(http)
+        left = list(range(requests))
+
+        async def client() -> None:
+            while left:
+                i = left.pop()
+                async with http.post(url + "/v1/chat/completions", data=bodies[i % len(bodies)],
+                                     headers=HEADERS) as response:  # fmt: skip
+                    await response.read()
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.sleep(1.2)
+        after = await counters(http)
+    done = after["requests"] - before["requests"] or float("nan")
+    return {
+        "concurrency": concurrency,
+        "round_trips_per_request": round((after["round_trips"] - before["round_trips"]) / done, 2),
+        "calls_per_request": round((after["calls"] - before["calls"]) / done, 2),
+    }
+
+
+def clean_redis(prefix: str) -> None:
+    with contextlib.suppress(Exception):
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"*{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per cell")
+    parser.add_argument("--duration", type=float, default=4.0, help="measured seconds per cell")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved slices per path")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead.md"))
+    parser.add_argument("--stream-concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved slices per contender")
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction,
+                        default=(os.cpu_count() or 1) >= 2)  # fmt: skip
+    parser.add_argument("--ab", metavar="TREE",
+                        help="also run each kvgate contender from another checkout (NAME@base): "
+                             "before/after ratios in one run")  # fmt: skip
+    parser.add_argument("--profile", metavar="DIR",
+                        help="py-spy each kvgate contender (collapsed stacks in DIR; figures "
+                             "are then not comparable)")  # fmt: skip
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead"),
+                        help="writes OUT.md and OUT.json")  # fmt: skip
     args = parser.parse_args()
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    args.run_id = os.urandom(4).hex()
+    args.trips = {}
+    args.skipped = {n: why for n in args.contenders if (why := unavailable(n))}
+    args.names = ["direct", *(n for n in args.contenders if n != "direct" and n not in args.skipped)]
+    if args.ab:
+        args.names += [f"{n}@base" for n in args.names
+                       if n.startswith("kvgate") and not n.endswith("-2w")]  # fmt: skip
+    for name, why in args.skipped.items():
+        print(f"  {name}: not run — {why}", flush=True)
     run: Callable[..., list[Cell]] = asyncio.run
     with contextlib.suppress(ImportError):
         import uvloop
@@ -390,13 +683,26 @@ def main() -> int:
             cells = run(measure(args, children))
         except asyncio.CancelledError:  # SIGTERM
             return 143
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
         finally:
             children.stop()
-    text = render(cells, args)
+            clean_redis(f"kvgate-bench-{args.run_id}")
+    rows = summary(cells, args)
+    text = render(cells, rows, args)
     print(text)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(text)
+        out.with_suffix(".json").write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python bench/proxy_overhead.py " + " ".join(sys.argv[1:]),
+            "pinned": args.pin, "nproc": os.cpu_count(), "load_before": args.load_before,
+            "skipped": args.skipped, "summary": rows, "redis_round_trips": args.trips,
+            "cells": [{**asdict(c), "rate": c.rate} for c in cells],
+        }, indent=1) + "\n")  # fmt: skip
     return 1 if any(c.errors for c in cells) else 0
 
 

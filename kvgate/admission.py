@@ -34,7 +34,7 @@ from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.overcommit import Overcommit
-from kvgate.protect import acquire, finish
+from kvgate.protect import acquire, finish, together
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
 from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
@@ -209,14 +209,16 @@ class Admission:
         blocks = demand.blocks_on(replica)
         prefix_blocks = demand.prefix_blocks_on(replica)
         shared = None
+        own_granted: bool | None = None  # when taken together with a new prefix's lease
         if prefix_blocks and demand.prefix_key is not None:
             shared = self.prefixes.get(replica.id, demand.prefix_key)
             if shared is None:
                 shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
                 own_later = blocks - prefix_blocks
                 try:
-                    shared.live = await self._acquire(
-                        replica.id, shared.lease_id, prefix_blocks, limit - own_later, ttl
+                    shared.live, own_granted = await self._acquire_both(
+                        replica.id, shared.lease_id, prefix_blocks, lease_id, own_later,
+                        limit, ttl,
                     )
                 finally:
                     if not shared.live:
@@ -232,7 +234,10 @@ class Admission:
                 shared = None
         own = max(0, blocks - (shared.blocks if shared else 0))
         try:
-            granted = await self._acquire(replica.id, lease_id, own, limit, ttl)
+            granted = (
+                own_granted if own_granted is not None
+                else await self._acquire(replica.id, lease_id, own, limit, ttl)
+            )  # fmt: skip
         except BaseException:  # store failure or cancellation: the prefix is not ours to keep
             if shared is not None:
                 await finish(self._unshare(shared))
@@ -287,6 +292,48 @@ class Admission:
             self._pending[replica_id] -= blocks
             if not granted:
                 self._count(replica_id, -blocks)
+        return granted
+
+    async def _acquire_both(
+        self, replica_id: str, prefix_id: str, prefix_blocks: int, own_id: str, own: int,
+        limit: int, ttl: float,
+    ) -> tuple[bool, bool]:
+        """A new shared prefix's lease and the request's own, in one round trip with a
+        pipelining store (issue 14): the prefix first, within room for both, then the own
+        blocks. A refused prefix keeps nothing: (False, False). Protected, and counted while
+        the store decides, as in `_acquire`."""
+        key = ledger_key(replica_id)
+
+        async def both() -> tuple[bool, bool]:
+            prefix, mine = await together(
+                self.store.try_acquire(key, prefix_id, prefix_blocks, limit - own, ttl),
+                self.store.try_acquire(key, own_id, own, limit, ttl),
+            )
+            failed = next((r for r in (prefix, mine) if isinstance(r, BaseException)), None)
+            if failed is None and prefix is True:
+                return True, mine is True
+            await together(*(
+                self._release_lease(key, lease) for got, lease in ((prefix, prefix_id), (mine, own_id))
+                if got is True
+            ))  # fmt: skip
+            if failed is not None:
+                raise failed
+            return False, False
+
+        async def undo(granted: tuple[bool, bool]) -> None:
+            await together(*(
+                self._release_lease(key, lease)
+                for got, lease in zip(granted, (prefix_id, own_id), strict=True) if got
+            ))  # fmt: skip
+
+        self._count(replica_id, prefix_blocks + own)
+        self._pending[replica_id] = self._pending.get(replica_id, 0) + prefix_blocks + own
+        granted = (False, False)
+        try:
+            granted = await acquire(both(), undo)
+        finally:
+            self._pending[replica_id] -= prefix_blocks + own
+            self._count(replica_id, -(prefix_blocks * (not granted[0]) + own * (not granted[1])))
         return granted
 
     def observed(self, replica_id: str, held: int) -> None:
@@ -511,10 +558,13 @@ class Admission:
         now = time.monotonic()
         pool.releases.append(now)
         pool.freed.append((now, slot.reserved_blocks))
-        try:
-            await self._release_lease(key, slot.lease_id)
-            if slot.shared is not None:
-                await self._unshare(slot.shared)
+        try:  # together: one round trip with a pipelining store
+            for outcome in await together(
+                self._release_lease(key, slot.lease_id),
+                None if slot.shared is None else self._unshare(slot.shared),
+            ):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         finally:
             pool.wake.set()
 

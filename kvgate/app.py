@@ -222,6 +222,8 @@ def _store_gauges(gateway: Gateway) -> None:
         (m.store_fallback_calls, "fallback_calls"),
         (m.store_outage_seconds, "outage_seconds"),
         (m.store_reconciled_units, "reconciled_units"),
+        (m.store_round_trips, "round_trips"),
+        (m.store_calls, "calls"),
     ):
         value = getattr(store, attribute, None)
         if isinstance(value, int | float):

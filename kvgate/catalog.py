@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from kvgate.calibration import Terms
 from kvgate.chat_template import ChatTemplate, find_template, load_template
 from kvgate.config import Config, ModelConfig, TenantConfig, TokenizerConfig
@@ -94,6 +96,16 @@ def upstream_body(parsed: ParsedRequest, bound: Bound) -> dict[str, object]:
         options["include_usage"] = True
         body["stream_options"] = options
     return body
+
+
+def upstream_payload(parsed: ParsedRequest, bound: Bound, raw: bytes | None) -> bytes:
+    """`upstream_body` as bytes: the client's own bytes `raw` when kvgate leaves them
+    unchanged (a max_tokens given, and for a stream include_usage asked already; None: the
+    body was edited before, by normalization) rather than serialized again (issue 14)."""
+    unchanged = not bound.set_max_tokens and not (parsed.stream and not parsed.client_wants_usage)
+    if raw is not None and unchanged:
+        return raw
+    return orjson.dumps(upstream_body(parsed, bound))
 
 
 class Catalog:

@@ -25,7 +25,7 @@ from kvgate.config import AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, OverBudget, Unauthorized
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
-from kvgate.protect import acquire, finish
+from kvgate.protect import acquire, finish, together
 from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,18 @@ class Charge:
     reserved_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
+    slot: ConcurrencySlot | None = None  # the tenant's concurrency lease, when it has a limit
+
+
+@dataclass(slots=True)
+class ConcurrencySlot:
+    """One of a tenant's `max_concurrent` requests: a lease in `concurrency:<tenant>`."""
+
+    pool: str
+    lease_id: str
+    limit: int
+    ttl_s: float
+    held: bool = False
 
 
 class Budgets:
@@ -116,6 +128,11 @@ class Budgets:
     one that renews the ledger's leases) they last `keeper.ttl_s` and are renewed while the
     request runs, so a killed instance's count comes back within that TTL; without one they
     last CONCURRENCY_TTL_S unrenewed (a request running longer than that stops counting).
+
+    Round trips (issue 14): the three holds of a charge — the concurrency lease, one request
+    and the worst case in tokens — are taken together (one pipeline with the Redis store),
+    each still one atomic script; when one is refused, the others are given back. Settling
+    corrects the tokens and frees the concurrency slot together too.
     """
 
     def __init__(
@@ -141,29 +158,54 @@ class Budgets:
                 code="exceeds_token_budget", param="max_tokens",
             )
         charge = Charge(tenant, worst_tokens)
+        if tenant.max_concurrent is not None:
+            ttl_s = self.keeper.ttl_s if self.keeper is not None else CONCURRENCY_TTL_S
+            charge.slot = ConcurrencySlot(
+                f"concurrency:{tenant.name}", os.urandom(12).hex(), tenant.max_concurrent, ttl_s
+            )
 
         async def give_back(_: None = None) -> None:
             async with _settling(charge):
                 await self._refund(charge, worst_tokens, tpm)
 
+        async def give_all_back(_: None = None) -> None:
+            for outcome in await together(give_back(), self._free(charge)):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+
         started = time.monotonic()
-        async with self._concurrency(tenant, max_hold_s):
-            await acquire(self._take(charge, rpm, tpm), give_back)
-            try:
-                yield charge
-            finally:
-                self._observe_duration(tenant.name, time.monotonic() - started)
-                if not charge.settled:
-                    charge.settled = True
-                    await finish(give_back())
+        await acquire(self._take(charge, rpm, tpm), give_all_back)
+        slot = charge.slot
+        if slot is not None and self.keeper is not None:
+            self.keeper.add(
+                slot.pool, slot.lease_id, max_age_s=max_hold_s,
+                on_stale=lambda: self._free(charge),
+            )
+        gauge = self.metrics.tenant_concurrency.labels(tenant.name)
+        gauge.inc()
+        try:
+            yield charge
+        finally:
+            gauge.dec()
+            self._observe_duration(tenant.name, time.monotonic() - started)
+            if not charge.settled:
+                charge.settled = True
+                await finish(give_all_back())
+            else:
+                await finish(self._free(charge))  # settled: freed already, unless that failed
 
     async def settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
-        """Correct the charge to actual usage: refund the unused part or charge the excess.
-        Runs to its end whatever cancellation arrives meanwhile."""
+        """Correct the charge to actual usage (refund the unused part or charge the excess)
+        and free the tenant's concurrency slot: the request is over. Runs to its end whatever
+        cancellation arrives meanwhile."""
         if charge.settled:
             return
         charge.settled = True
-        await finish(self._settle(charge, prompt_tokens, completion_tokens))
+        for outcome in await finish(together(
+            self._settle(charge, prompt_tokens, completion_tokens), self._free(charge)
+        )):  # fmt: skip
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
         tpm, _ = _limits(charge.tenant)
@@ -188,76 +230,78 @@ class Budgets:
     async def _take(
         self, charge: Charge, rpm: BucketLimit | None, tpm: BucketLimit | None
     ) -> None:
-        name = charge.tenant.name
-        requests = tokens = None
-        if rpm is not None:
-            requests = await self.store.take(_bucket(name, "requests"), 1, rpm)
-            if not requests.allowed:
-                # All six x-ratelimit-* headers on every 429: peek at the tokens not taken.
-                tokens = None if tpm is None else await self.store.peek(
-                    _bucket(name, "tokens"), tpm
-                )
-                headers = rate_limit_headers(rpm, requests, tpm, tokens)
-                raise OverBudget(
-                    f"tenant {name!r} is over its {rpm.capacity} requests per minute",
-                    limit="requests", retry_after_s=requests.retry_after_s, headers=headers,
-                )
-        if tpm is not None:
-            tokens = await self.store.take(_bucket(name, "tokens"), charge.reserved_tokens, tpm)
-            if not tokens.allowed:
-                if rpm is not None:
-                    await self.store.put_back(_bucket(name, "requests"), 1, rpm)
-                raise OverBudget(
-                    f"tenant {name!r} is over its {tpm.capacity} tokens per minute: this "
-                    f"request may use {charge.reserved_tokens} and {max(0, tokens.remaining)} "
-                    "are left",
-                    limit="tokens", retry_after_s=tokens.retry_after_s,
-                    headers=rate_limit_headers(rpm, requests, tpm, tokens),
-                )
-            self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
-        self.metrics.tenant_tokens.labels(name, "reserved").inc(charge.reserved_tokens)
-        charge.headers = rate_limit_headers(rpm, requests, tpm, tokens)
-
-    @contextlib.asynccontextmanager
-    async def _concurrency(
-        self, tenant: TenantConfig, max_hold_s: float | None
-    ) -> AsyncIterator[None]:
-        gauge = self.metrics.tenant_concurrency.labels(tenant.name)
-        limit = tenant.max_concurrent
-        if limit is None:
-            gauge.inc()
-            try:
-                yield
-            finally:
-                gauge.dec()
-            return
-        pool, lease = f"concurrency:{tenant.name}", os.urandom(12).hex()
-        keeper = self.keeper
-        ttl_s = keeper.ttl_s if keeper is not None else CONCURRENCY_TTL_S
-        released = False
-
-        async def release(acquired: bool = True) -> None:
-            nonlocal released
-            if acquired and not released:
-                released = True
-                if keeper is not None:
-                    keeper.discard(pool, lease)
-                await self._release_lease(tenant, pool, lease)
-
-        if not await acquire(self.store.try_acquire(pool, lease, 1, limit, ttl_s), release):
-            raise OverBudget(
-                f"tenant {tenant.name!r} already has {limit} requests in flight",
-                limit="concurrency", retry_after_s=self._next_release_s(tenant.name, limit),
-                headers=await self._current_headers(tenant),
+        """Take the concurrency slot, one request and the worst case in tokens, all at once.
+        Refused (concurrency first, then requests, then tokens, as the 429 says) or failed:
+        what was taken is given back before the error goes on."""
+        tenant, slot = charge.tenant, charge.slot
+        name = tenant.name
+        held, requests, tokens = await together(
+            None if slot is None else self.store.try_acquire(
+                slot.pool, slot.lease_id, 1, slot.limit, slot.ttl_s
+            ),
+            None if rpm is None else self.store.take(_bucket(name, "requests"), 1, rpm),
+            None if tpm is None else self.store.take(
+                _bucket(name, "tokens"), charge.reserved_tokens, tpm
+            ),
+        )  # fmt: skip
+        if slot is not None and held is True:
+            slot.held = True
+        took_request = isinstance(requests, BucketState) and requests.allowed
+        took_tokens = isinstance(tokens, BucketState) and tokens.allowed
+        failure = next((r for r in (held, requests, tokens) if isinstance(r, BaseException)), None)
+        refusal: OverBudget | None = None
+        if failure is None and slot is not None and not slot.held:
+            refusal = OverBudget(
+                f"tenant {name!r} already has {slot.limit} requests in flight",
+                limit="concurrency", retry_after_s=self._next_release_s(name, slot.limit),
             )
-        if keeper is not None:
-            keeper.add(pool, lease, max_age_s=max_hold_s, on_stale=release)
-        gauge.inc()
-        try:
-            yield
-        finally:
-            gauge.dec()
-            await finish(release())
+        elif failure is None and isinstance(requests, BucketState) and not requests.allowed:
+            refusal = OverBudget(
+                f"tenant {name!r} is over its {rpm and rpm.capacity} requests per minute",
+                limit="requests", retry_after_s=requests.retry_after_s,
+            )
+        elif failure is None and isinstance(tokens, BucketState) and not tokens.allowed:
+            refusal = OverBudget(
+                f"tenant {name!r} is over its {tpm and tpm.capacity} tokens per minute: this "
+                f"request may use {charge.reserved_tokens} and {max(0, tokens.remaining)} "
+                "are left",
+                limit="tokens", retry_after_s=tokens.retry_after_s,
+            )
+        if failure is None and refusal is None:
+            if isinstance(tokens, BucketState):
+                self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
+            self.metrics.tenant_tokens.labels(name, "reserved").inc(charge.reserved_tokens)
+            charge.headers = rate_limit_headers(rpm, _state(requests), tpm, _state(tokens))
+            return
+        # give back what was taken; the 429 shows the buckets as they are then
+        requests_back, tokens_back, _ = await together(
+            self.store.put_back(_bucket(name, "requests"), 1, rpm) if rpm and took_request else None,
+            self.store.put_back(
+                _bucket(name, "tokens"), charge.reserved_tokens, tpm
+            ) if tpm and took_tokens else None,
+            self._free(charge),
+        )  # fmt: skip
+        if failure is not None:
+            raise failure
+        assert refusal is not None
+        if refusal.type == "concurrency":
+            refusal.headers.update(await self._current_headers(tenant))
+        else:
+            refusal.headers.update(rate_limit_headers(
+                rpm, _state(requests_back) or _state(requests),
+                tpm, _state(tokens_back) or _state(tokens),
+            ))  # fmt: skip
+        raise refusal
+
+    async def _free(self, charge: Charge) -> None:
+        """Give the concurrency slot back (once; a no-op when there is none or it is free)."""
+        slot = charge.slot
+        if slot is None or not slot.held:
+            return
+        slot.held = False
+        if self.keeper is not None:
+            self.keeper.discard(slot.pool, slot.lease_id)
+        await self._release_lease(charge.tenant, slot.pool, slot.lease_id)
 
     def _observe_duration(self, tenant: str, seconds: float) -> None:
         mean = self._durations.get(tenant)
@@ -300,6 +344,10 @@ async def _settling(charge: Charge) -> AsyncIterator[None]:
         yield
     except (StateStoreError, KvgateError) as exc:
         log.warning("could not settle tenant %s's charge: %s", charge.tenant.name, exc)
+
+
+def _state(value: object) -> BucketState | None:
+    return value if isinstance(value, BucketState) else None
 
 
 def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | None]:

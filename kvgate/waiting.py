@@ -89,6 +89,8 @@ class PoolQueue:
         replicas and will start before this demand: every one of a better class; of its own
         class, those that fit in `room` or have used AGING_SHARE of `budget` (a larger one
         that does not fit yet is passed)."""
+        if not len(self.queue):  # the usual case: nobody waits
+            return []
         rank = PRIORITY_CLASSES.index(demand.priority)
         ids = {r.id for r in candidates}
         ahead = []

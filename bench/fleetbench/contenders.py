@@ -174,7 +174,8 @@ async def _start_kvgate(contender: Contender, children: Children, http: aiohttp.
         path = children.logs / f"kvgate-{n}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         children.start(f"kvgate-{n}", [sys.executable, "-m", "kvgate.cli", "serve",
-                                       "--config", str(path), "--log-level", "WARNING"])  # fmt: skip
+                                       "--config", str(path), "--log-level", "WARNING",
+                                       "--workers", "1"])  # fmt: skip (one process per instance)
         urls.append(f"http://127.0.0.1:{port}")
     for n, url in enumerate(urls):
         await children.wait_ready(http, f"kvgate-{n}", url + "/ready")

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
 from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
 from kvgate.requests import Endpoint
+from kvgate.workers import PEERS
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("kvgate.access")  # one JSON line per request, when enabled
@@ -162,9 +163,11 @@ async def admin_prompts(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    return web.Response(
-        body=gateway.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
-    )
+    body = gateway.metrics.render()
+    peers = request.app.get(PEERS)  # one of `kvgate serve --workers N`: every worker's figures
+    if peers is not None and "own" not in request.query:
+        body = await peers.merged(body)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def admin_replicas(request: web.Request) -> web.Response:

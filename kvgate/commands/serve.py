@@ -25,6 +25,7 @@ from kvgate.config import (
     read_tree,
 )
 from kvgate.tokens import TokenizerError
+from kvgate.workers import PEERS, Peers, default_workers, private_site, supervise
 
 log = logging.getLogger("kvgate")
 
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes serving the port (SO_REUSEPORT); default: one per core "
+                             "with state.backend redis, 1 with the memory store")
 
 
 def config_loader(args: argparse.Namespace) -> Callable[[], Config]:
@@ -76,6 +80,16 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TokenizerError) as exc:
         print(f"kvgate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    workers = args.workers if args.workers is not None else default_workers(config.state.backend)
+    refusal = workers_refusal(config, workers)
+    if refusal is not None:
+        print(f"kvgate: {refusal}", file=sys.stderr)
+        return 2
+    if workers > 1:
+        return supervise(worker_argv(args), workers)
+    if args.workers is None and config.state.backend != "redis":
+        log.info("kvgate: one worker: the memory store keeps ledgers, budgets and sessions in "
+                 "this process (state.backend: redis runs one worker per core)")  # fmt: skip
     _use_uvloop()
     try:
         with contextlib.suppress(KeyboardInterrupt):
@@ -95,8 +109,14 @@ async def serve(
     # kvgate writes its own access log line (kvgate.access, with the request's books)
     runner = gateway_runner(app, config.server, shutdown_timeout=config.server.drain_s)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
+    peers = Peers.from_env()  # one of `--workers N`: share the port, and say where it is
+    site = web.TCPSite(
+        runner, config.server.host, config.server.port, reuse_port=peers is not None or None
+    )
     await site.start()
+    if peers is not None:
+        app[PEERS] = peers
+        await private_site(runner, peers)
     url = _url(site)
     log.info("kvgate listening on %s", url)
     admin = await start_admin_listener(app[GATEWAY], config)
@@ -117,6 +137,33 @@ async def serve(
         await runner.cleanup()
         if admin is not None:
             await admin.cleanup()
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The `kvgate serve` flags each worker runs with: the parent's own."""
+    argv: list[str] = []
+    for flag, value in (("--config", args.config), ("--long-threshold", args.long_threshold),
+                        ("--redis", args.redis), ("--host", args.host), ("--port", args.port),
+                        ("--log-level", args.log_level)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, values in (("--upstream", args.upstream), ("--long-upstream", args.long_upstream)):
+        for value in values or ():
+            argv += [flag, value]
+    return argv
+
+
+def workers_refusal(config: Config, workers: int) -> str | None:
+    """Why `workers` processes cannot serve this config, or None."""
+    if workers < 1:
+        return "--workers must be at least 1"
+    if workers > 1 and config.state.backend != "redis":
+        return (f"--workers {workers} needs state.backend: redis (with the memory store each "
+                "worker would keep its own ledgers and budgets: every limit times "
+                f"{workers})")  # fmt: skip
+    if workers > 1 and config.server.port == 0:
+        return "--workers needs a fixed server.port (they all listen on it)"
+    return None
 
 
 def _url(site: web.TCPSite) -> str:

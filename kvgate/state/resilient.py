@@ -76,6 +76,15 @@ class ResilientStore:
         self.reconciled_units = 0
 
     @property
+    def round_trips(self) -> int:
+        """The primary's round trips (pipelines), when it counts them."""
+        return int(getattr(self._primary, "round_trips", 0))
+
+    @property
+    def calls(self) -> int:
+        return int(getattr(self._primary, "calls", 0))
+
+    @property
     def outage_seconds(self) -> float:
         """Total time the primary has been down, the current outage included."""
         current = 0.0 if self.up else self._clock() - self._down_since

@@ -7,10 +7,14 @@ import affinity  # bench/affinity.py
 
 
 async def test_multi_turn_chats_hit_the_cache_far_more_than_round_robin():
-    shape = dict(replicas=4, chats=16, turns=3, doc_words=60, seed=1)
-    routed = await affinity.run_once("kvgate", **shape)
+    # 17 chats: not a multiple of the replicas, so round robin cannot fall into step with
+    # the turns and send each chat back where it was by chance
+    shape = dict(replicas=4, chats=17, turns=3, doc_words=60, seed=1)
+    # a loose bound, so that a slow shared machine (longer requests, more in flight) does not
+    # turn this into a test of bounded load: the benchmark measures that trade-off
+    routed = await affinity.run_once("kvgate-load_factor-1", **shape)
     spread = await affinity.run_once("round_robin", **shape)
     assert routed.failures == spread.failures == 0
-    assert routed.requests == spread.requests == 48
+    assert routed.requests == spread.requests == 51
     assert routed.queries > 0 and spread.queries > 0
     assert routed.hit_rate >= 2 * spread.hit_rate, (routed, spread)
