@@ -23,6 +23,7 @@ from kvgate.api.routes import GATEWAY, Handler, add_admin_routes, errors_middlew
 from kvgate.config import Config
 from kvgate.errors import Forbidden, Unauthorized
 from kvgate.gateway import Gateway
+from kvgate.workers import PEERS, Peers
 
 ADMIN_PREFIX = "/admin/"
 
@@ -70,14 +71,21 @@ def build_admin_app(gateway: Gateway) -> web.Application:
     return app
 
 
-async def start_admin_listener(gateway: Gateway, config: Config) -> web.AppRunner | None:
-    """The admin listener, when `server.admin.port` asks for one (else None)."""
+async def start_admin_listener(
+    gateway: Gateway, config: Config, peers: Peers | None = None
+) -> web.AppRunner | None:
+    """The admin listener, when `server.admin.port` asks for one (else None). One of
+    `--workers N` (`peers`): every worker binds the port (SO_REUSEPORT) and its /metrics
+    answers for all of them, as the API port's does without an admin listener."""
     admin = config.server.admin
     if admin.port is None:
         return None
     from kvgate.api.protocol import gateway_runner
 
-    runner = gateway_runner(build_admin_app(gateway), config.server)
+    app = build_admin_app(gateway)
+    if peers is not None:
+        app[PEERS] = peers
+    runner = gateway_runner(app, config.server)
     await runner.setup()
-    await web.TCPSite(runner, admin.host, admin.port).start()
+    await web.TCPSite(runner, admin.host, admin.port, reuse_port=peers is not None or None).start()
     return runner

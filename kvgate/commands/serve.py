@@ -114,14 +114,16 @@ async def serve(
         runner, config.server.host, config.server.port, reuse_port=peers is not None or None
     )
     await site.start()
-    if peers is not None:
-        app[PEERS] = peers
-        await private_site(runner, peers)
-    url = _url(site)
-    log.info("kvgate listening on %s", url)
-    admin = await start_admin_listener(app[GATEWAY], config)
+    # with server.admin.port, /metrics lives on the admin listener: the workers' private
+    # sites (where they fetch each other's figures) go there too
+    admin = await start_admin_listener(app[GATEWAY], config, peers)
     if admin is not None:
         log.info("kvgate admin listening on %s", admin.addresses[0])
+    if peers is not None:
+        app[PEERS] = peers
+        await private_site(admin or runner, peers)
+    url = _url(site)
+    log.info("kvgate listening on %s", url)
     if started is not None:
         started(url)
     stop = asyncio.Event()
