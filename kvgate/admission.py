@@ -1,17 +1,18 @@
-"""Admission on KV blocks: a per-replica block ledger in the state store, and a fair queue.
+"""Admission on KV blocks: whether a request may run on a replica now, and the fair queue
+for those that may not yet.
 
 A request is admitted onto a replica only if the blocks kvgate has reserved there (by every
 instance sharing the store) plus this request's reservation stay within `target_utilization`
 × the replica's `num_gpu_blocks` (scaled by the replica's overcommit factor in predicted
-mode). Otherwise it waits in its pool's `FairQueue` within its class's wait budget, or is
-refused with 429 and an honest `Retry-After`; a request whose worst case cannot fit on any
-replica of its pool even when empty gets 400 at once.
+mode). The router ranks the replicas; admission takes the first of the ranking whose ledger
+(`kvgate.ledger`) has room. Otherwise the request waits in its pool's `FairQueue` within its
+class's wait budget — ranked again on every attempt — or is refused with 429 and an honest
+`Retry-After`; a request whose worst case cannot fit on any replica of its pool even when
+empty gets 400 at once.
 
-Each reservation is a lease (`ledger:<replica>`) that `LeaseKeeper` renews while the request
-runs; if this instance dies, its leases expire and the capacity returns. `Admission.admit` is
-an async context manager: leaving it — completion, error, disconnect, cancellation, even a
-second cancellation arriving during the release — releases the lease and the request's share
-of its prefix exactly once (`kvgate.protect.finish`).
+`Admission.admit` is an async context manager: leaving it — completion, error, disconnect,
+cancellation, even a second cancellation arriving during the release — releases the request's
+blocks and its share of its prefix exactly once (`kvgate.protect.finish`).
 
 Queue order: a request that does not fit yet holds back lower classes on the replicas it
 could use, and everyone there once it has used half its wait budget, so large requests still
@@ -24,23 +25,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from kvgate.config import AdmissionConfig
-from kvgate.demand import Demand, Slot, growth_target, ledger_key
-from kvgate.errors import KvgateError, NeverFits, NoReplica, RateLimited
+from kvgate.demand import Demand, Slot
+from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
+from kvgate.ledger import Ledger
 from kvgate.metrics import Metrics
 from kvgate.overcommit import Overcommit
-from kvgate.protect import acquire, finish, together
+from kvgate.protect import finish
 from kvgate.queue import FairQueue, Ticket
 from kvgate.replicas import Replica
 from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
 from kvgate.routing.router import Ranking
-from kvgate.shared_prefix import SharedPrefix, SharedPrefixes
-from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.base import StateStore
 from kvgate.waiting import AGING_SHARE, PoolQueue, Waiter
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 # at once (this instance's directly, other instances' through the store's release notices);
 # the poll catches what nobody announces, such as a dead instance's leases expiring.
 POLL_INTERVAL_S = 0.1
-# How often predicted reservations are checked against what their answers have written.
-GROW_INTERVAL_S = 0.05
-# Growth is forced: the request already runs, and the ledger must show what it holds.
-UNLIMITED = 1 << 40
 
 # Ranks the replicas for one request, given the seconds it has waited so far; called on arrival
 # and again on every placement attempt, so a queued request goes where room appears.
@@ -74,11 +70,10 @@ class Admission:
         self.keeper = keeper
         self.stale_after_s = stale_after_s
         self._pools: dict[str, PoolQueue] = {}
-        self.reserved: dict[str, int] = {}  # last known ledger totals, for ordering and metrics
-        self._pending: dict[str, int] = {}  # blocks being acquired now, per replica
-        self.prefixes = SharedPrefixes()
+        self.ledger = Ledger(store, keeper, metrics)
+        self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
+        self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
-        self._growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
 
     def configure(self, config: AdmissionConfig) -> None:
         """A reload: queues take the new depth (a shorter one sheds nobody already waiting;
@@ -149,11 +144,10 @@ class Admission:
             demand.worst_blocks_on(slot.replica)
         )
         if demand.predicted:
-            self._growing.add(slot)
+            self.ledger.growing.add(slot)
         try:
             yield slot
         finally:
-            self._growing.discard(slot)
             await self._release(pool, slot)
 
     def _check_can_ever_fit(
@@ -194,158 +188,14 @@ class Admission:
                 continue
             if (view.waiting or 0) > config.max_replica_waiting:
                 continue
-            slot = await self._place_on(view.replica, demand, limit, config.lease_ttl_s)
+            slot = await self.ledger.reserve(
+                view.replica, demand, limit, config.lease_ttl_s,
+                on_stale=lambda stale: self._release(self._pool(demand.pool), stale),
+            )
             if slot is not None:
                 slot.queued_s = waited_s
                 return slot
         return None
-
-    async def _place_on(
-        self, replica: Replica, demand: Demand, limit: int, ttl: float
-    ) -> Slot | None:
-        """Reserve on one replica: the request's own blocks, plus (first of its prefix here)
-        the shared prefix's blocks as a lease of their own."""
-        key, lease_id = ledger_key(replica.id), os.urandom(12).hex()
-        blocks = demand.blocks_on(replica)
-        prefix_blocks = demand.prefix_blocks_on(replica)
-        shared = None
-        own_granted: bool | None = None  # when taken together with a new prefix's lease
-        if prefix_blocks and demand.prefix_key is not None:
-            shared = self.prefixes.get(replica.id, demand.prefix_key)
-            if shared is None:
-                shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
-                own_later = blocks - prefix_blocks
-                try:
-                    shared.live, own_granted = await self._acquire_both(
-                        replica.id, shared.lease_id, prefix_blocks, lease_id, own_later,
-                        limit, ttl,
-                    )
-                finally:
-                    if not shared.live:
-                        self.prefixes.drop(shared)  # refused, failed or cancelled
-                if not shared.live:
-                    return None
-                self.keeper.add(key, shared.lease_id)  # lives while requests share it
-            elif shared.live and shared.blocks <= prefix_blocks:
-                shared.refs += 1
-            else:
-                # being acquired by another request, or larger than this request's own prefix
-                # (its estimate moved since): no credit, lest the request reserve less than 0
-                shared = None
-        own = max(0, blocks - (shared.blocks if shared else 0))
-        try:
-            granted = (
-                own_granted if own_granted is not None
-                else await self._acquire(replica.id, lease_id, own, limit, ttl)
-            )  # fmt: skip
-        except BaseException:  # store failure or cancellation: the prefix is not ours to keep
-            if shared is not None:
-                await finish(self._unshare(shared))
-            raise
-        if not granted:
-            if shared is not None:
-                await finish(self._unshare(shared))
-            return None
-        worst_own = demand.worst_blocks_on(replica) - (shared.blocks if shared else 0)
-        slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
-                    ahead=demand.ahead_tokens or 0)
-        self.keeper.add(
-            key, lease_id, max_age_s=demand.max_hold_s,
-            on_stale=lambda: self._release(self._pool(demand.pool), slot),
-        )
-        return slot
-
-    async def _unshare(self, shared: SharedPrefix) -> None:
-        shared.refs -= 1
-        if shared.refs > 0:
-            return
-        self.prefixes.drop(shared)
-        key = ledger_key(shared.replica_id)
-        self.keeper.discard(key, shared.lease_id)
-        self._count(shared.replica_id, -shared.blocks)
-        await self._release_lease(key, shared.lease_id)
-
-    def _count(self, replica_id: str, blocks: int) -> None:
-        self.reserved[replica_id] = max(0, self.reserved.get(replica_id, 0) + blocks)
-
-    async def _acquire(
-        self, replica_id: str, lease_id: str, blocks: int, limit: int, ttl: float
-    ) -> bool:
-        """try_acquire that cannot leak: if we are cancelled while the store works, a lease it
-        grants anyway is released before the cancellation goes on. The blocks count in this
-        instance's ledger figures while the store decides, so requests ranked meanwhile see
-        them (else a burst would all rank against the same empty ledger)."""
-        key = ledger_key(replica_id)
-
-        async def undo(granted: bool) -> None:
-            if granted:
-                await self._release_lease(key, lease_id)
-
-        self._count(replica_id, blocks)
-        self._pending[replica_id] = self._pending.get(replica_id, 0) + blocks
-        granted = False
-        try:
-            granted = await acquire(
-                self.store.try_acquire(key, lease_id, blocks, limit, ttl), undo
-            )
-        finally:
-            self._pending[replica_id] -= blocks
-            if not granted:
-                self._count(replica_id, -blocks)
-        return granted
-
-    async def _acquire_both(
-        self, replica_id: str, prefix_id: str, prefix_blocks: int, own_id: str, own: int,
-        limit: int, ttl: float,
-    ) -> tuple[bool, bool]:
-        """A new shared prefix's lease and the request's own, in one round trip with a
-        pipelining store (issue 14): the prefix first, within room for both, then the own
-        blocks. A refused prefix keeps nothing: (False, False). Protected, and counted while
-        the store decides, as in `_acquire`."""
-        key = ledger_key(replica_id)
-
-        async def both() -> tuple[bool, bool]:
-            prefix, mine = await together(
-                self.store.try_acquire(key, prefix_id, prefix_blocks, limit - own, ttl),
-                self.store.try_acquire(key, own_id, own, limit, ttl),
-            )
-            failed = next((r for r in (prefix, mine) if isinstance(r, BaseException)), None)
-            if failed is None and prefix is True:
-                return True, mine is True
-            await together(*(
-                self._release_lease(key, lease) for got, lease in ((prefix, prefix_id), (mine, own_id))
-                if got is True
-            ))  # fmt: skip
-            if failed is not None:
-                raise failed
-            return False, False
-
-        async def undo(granted: tuple[bool, bool]) -> None:
-            await together(*(
-                self._release_lease(key, lease)
-                for got, lease in zip(granted, (prefix_id, own_id), strict=True) if got
-            ))  # fmt: skip
-
-        self._count(replica_id, prefix_blocks + own)
-        self._pending[replica_id] = self._pending.get(replica_id, 0) + prefix_blocks + own
-        granted = (False, False)
-        try:
-            granted = await acquire(both(), undo)
-        finally:
-            self._pending[replica_id] -= prefix_blocks + own
-            self._count(replica_id, -(prefix_blocks * (not granted[0]) + own * (not granted[1])))
-        return granted
-
-    def observed(self, replica_id: str, held: int) -> None:
-        """The store says the ledger holds `held`: that, plus what is being acquired now (the
-        store's figure cannot include it yet), is what routing and the gauges see."""
-        self.reserved[replica_id] = held + self._pending.get(replica_id, 0)
-
-    def forget(self, keep: set[str]) -> None:
-        """Drop the figures of replicas no longer in the fleet."""
-        for figures in (self.reserved, self._pending):
-            for replica_id in [r for r in figures if r not in keep]:
-                del figures[replica_id]
 
     async def _wait(
         self,
@@ -492,34 +342,6 @@ class Admission:
             else:
                 future.set_result(slot)
 
-    async def grow(self) -> None:
-        """Keep every predicted reservation ahead of its answer, until cancelled (one task)."""
-        while True:
-            await asyncio.sleep(GROW_INTERVAL_S)
-            for slot in list(self._growing):
-                target = growth_target(slot)
-                if target is not None:
-                    await self._grow(slot, target)
-
-    async def _grow(self, slot: Slot, total_blocks: int) -> None:
-        own = total_blocks - (slot.shared.blocks if slot.shared else 0)
-        if own <= slot.blocks or slot.released:
-            return
-        key = ledger_key(slot.replica.id)
-        try:
-            await self.store.try_acquire(
-                key, slot.lease_id, own, UNLIMITED, self.config().lease_ttl_s
-            )
-        except (StateStoreError, KvgateError) as exc:
-            log.warning("could not grow a reservation on %s: %s", key, exc)
-            return
-        if slot.released:  # released while the store grew it: the lease must not come back
-            await finish(self._release_lease(key, slot.lease_id))
-            return
-        self._count(slot.replica.id, own - slot.blocks)
-        slot.blocks = own
-        self.metrics.reservation_growths.labels(slot.replica.pool).inc()
-
     def after_discovery(self, replicas: Iterable[Replica]) -> None:
         """A discovery round brought fresh scrapes: steer each replica's overcommit by them,
         then let the queues try again."""
@@ -552,28 +374,13 @@ class Admission:
         await finish(self._give_back(pool, slot))
 
     async def _give_back(self, pool: PoolQueue, slot: Slot) -> None:
-        key = ledger_key(slot.replica.id)
-        self.keeper.discard(key, slot.lease_id)
-        self._count(slot.replica.id, -slot.blocks)
         now = time.monotonic()
         pool.releases.append(now)
         pool.freed.append((now, slot.reserved_blocks))
-        try:  # together: one round trip with a pipelining store
-            for outcome in await together(
-                self._release_lease(key, slot.lease_id),
-                None if slot.shared is None else self._unshare(slot.shared),
-            ):
-                if isinstance(outcome, BaseException):
-                    raise outcome
+        try:
+            await self.ledger.give_back(slot)
         finally:
             pool.wake.set()
-
-    async def _release_lease(self, key: str, lease_id: str) -> None:
-        try:
-            await self.store.release(key, lease_id)
-        except (StateStoreError, KvgateError) as exc:
-            # The lease stops being renewed and expires within its TTL: capacity comes back.
-            log.warning("could not release lease on %s (expires by TTL): %s", key, exc)
 
     def retry_after(self, pool_name: str, ahead: int) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""

@@ -124,7 +124,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         )),
         _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
         _task(gateway.admission.keeper.run()),
-        _task(gateway.admission.grow()),
+        _task(gateway.admission.ledger.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
         _task(_refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
@@ -161,7 +161,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
     while True:
         for replica in gateway.registry:
             try:
-                gateway.admission.observed(replica.id, await gateway.store.held(ledger_key(replica.id)))
+                gateway.admission.ledger.observed(replica.id, await gateway.store.held(ledger_key(replica.id)))
             except (StateStoreError, KvgateError) as exc:  # the store counts its own errors
                 log.debug("ledger of %s not read: %s", replica.id, exc)
         fleet = gateway.fleet()
@@ -171,7 +171,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
         exported = current
         ids = {view.id for view in fleet}
         gateway.breakers.forget(ids)
-        gateway.admission.forget(ids)
+        gateway.admission.ledger.forget(ids)
         for view in fleet:
             labels = (view.id, view.pool)
             total, admissible = view.num_gpu_blocks, view.admissible_blocks

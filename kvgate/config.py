@@ -3,6 +3,10 @@ interpolation, secret masking, and command-line overrides.
 
 Validated once, frozen afterwards. A bad file is refused whole: at start the process exits
 non-zero; on SIGHUP the old configuration stays in force (see `kvgate.app`).
+
+Over 500 lines on purpose: every section's schema is here, in the order of
+config/kvgate.yaml, so that the file a user edits and the code that checks it read alike
+(the normalizer's section is its own module, `kvgate.normalize.config`).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ from kvgate.errors import (
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.prediction import OutputPredictor
+from kvgate.progress import processed_tokens, written_tokens
 from kvgate.protect import begin, finish
-from kvgate.replicas import Registry, Replica, Writing
+from kvgate.replicas import Registry, Writing
 from kvgate.requests import Endpoint, ParsedRequest, parse_request, read_body
 from kvgate.routing.failover import replica_failed, retry_reason, trial_gate
 from kvgate.routing.fleet import Fleet
@@ -138,7 +139,7 @@ class Gateway:
         )
         bound = self.bound(
             parsed, count, terms, tenant, model,
-            model.max_model_len or max_model_len(parsed.model, fleet, info.pool),
+            model.max_model_len or fleet.max_model_len(parsed.model, info.pool),
         )
         info.prompt_tokens, info.max_tokens = bound.prompt_tokens, bound.max_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)
@@ -301,7 +302,7 @@ class Gateway:
 
     def terms(self, parsed: ParsedRequest, count: PromptCount) -> Terms:
         prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-        return self.calibration.terms(parsed.model, fit_name(parsed, count), prior)
+        return self.calibration.terms(parsed.model, count.fit_name(parsed.endpoint.name.lower()), prior)
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
@@ -401,7 +402,7 @@ class Gateway:
             # an image's true cost, or a prompt vLLM truncated, would only skew the text's fit
             if not count.media_tokens and parsed.body.get("truncate_prompt_tokens") is None:
                 prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-                endpoint = fit_name(parsed, count)
+                endpoint = count.fit_name(parsed.endpoint.name.lower())
                 self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior
                 )
@@ -465,59 +466,6 @@ class Gateway:
         if model not in known and not served:
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
                            param="model")
-
-
-def fit_name(parsed: ParsedRequest, count: PromptCount) -> str:
-    """Which calibration fit a request belongs to: per endpoint, and apart for chats counted
-    with the model's own template (their features mean something else)."""
-    name = parsed.endpoint.name.lower()
-    return f"{name}+template" if count.templated else name
-
-
-def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:
-    """Output tokens a replica computed for a request that ended without reporting usage.
-
-    Streamed: the chunks relayed. Not streamed (the client gave up, or the call failed
-    midway): the time the replica had at its recent pace per sequence, within max_tokens —
-    what it spent on the request, so that timing out cannot beat the budget. Until the
-    replica's pace is known, the whole reservation is charged.
-    """
-    if parsed.stream or outcome.sent_at is None:
-        return outcome.streamed_tokens
-    sequences = bound.prompts * parsed.sequences
-    if outcome.token_rate is None:
-        return bound.max_tokens * sequences
-    elapsed = time.monotonic() - outcome.sent_at
-    return min(bound.max_tokens, math.ceil(outcome.token_rate * elapsed)) * sequences
-
-
-def written_tokens(
-    parsed: ParsedRequest, bound: Bound, outcome: Outcome, replica: Replica
-) -> Callable[[], int]:
-    """What a request about to be sent to `replica` will have written there at any moment
-    (prompt + output, all sequences): for a stream, the tokens relayed; for a whole answer,
-    what the replica's decode clock advanced since it was sent, within max_tokens (until the
-    clock runs, the estimate the charge uses)."""
-    start = replica.decode_clock.now()
-
-    def written() -> int:
-        now = replica.decode_clock.now()
-        if parsed.stream or outcome.sent_at is None or start is None or now is None:
-            return bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
-        output = min(bound.max_tokens, math.ceil(now - start))
-        return bound.prompt_tokens + output * bound.prompts * parsed.sequences
-
-    return written
-
-
-def max_model_len(model: str, fleet: Fleet, pool: str) -> int | None:
-    """The largest context any routable replica of the pool reports for `model` (the router
-    then skips replicas whose own limit is smaller)."""
-    lengths = [
-        n for v in fleet.in_pool(pool)
-        if v.routable and model in v.models and (n := v.max_model_len(model)) is not None
-    ]
-    return max(lengths) if lengths else None
 
 
 REQUEST_INFO = web.RequestKey("kvgate_request", RequestInfo)

@@ -33,43 +33,31 @@ def _remembered(
     return child
 
 
-class Counter(prometheus_client.Counter):
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Counter:
-        return _remembered(self, super().labels, labelvalues, labelkwargs)
+class _Remembering:
+    """`labels()` remembered (see `_remembered`), for each kind of metric below."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        return _remembered(self, super().labels, labelvalues, labelkwargs)  # type: ignore[misc]
 
     def remove(self, *labelvalues: Any) -> None:
         self.__dict__.pop("_remembered", None)
-        super().remove(*labelvalues)
+        super().remove(*labelvalues)  # type: ignore[misc]
 
     def clear(self) -> None:
         self.__dict__.pop("_remembered", None)
-        super().clear()
+        super().clear()  # type: ignore[misc]
 
 
-class Gauge(prometheus_client.Gauge):
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Gauge:
-        return _remembered(self, super().labels, labelvalues, labelkwargs)
-
-    def remove(self, *labelvalues: Any) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().remove(*labelvalues)
-
-    def clear(self) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().clear()
+class Counter(_Remembering, prometheus_client.Counter):
+    pass
 
 
-class Histogram(prometheus_client.Histogram):
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Histogram:
-        return _remembered(self, super().labels, labelvalues, labelkwargs)
+class Gauge(_Remembering, prometheus_client.Gauge):
+    pass
 
-    def remove(self, *labelvalues: Any) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().remove(*labelvalues)
 
-    def clear(self) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().clear()
+class Histogram(_Remembering, prometheus_client.Histogram):
+    pass
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

@@ -190,6 +190,12 @@ class PromptCount:
     def prefix(self) -> Features:
         return Features(self.prefix_text_tokens, 1, 0)
 
+    def fit_name(self, endpoint: str) -> str:
+        """Which calibration fit the request belongs to: per endpoint (`chat`, `completions`),
+        and apart for chats counted with the model's own template (their features mean
+        something else)."""
+        return f"{endpoint}+template" if self.templated else endpoint
+
 
 class PromptCounter:
     """Counts a request's prompt with one tokenizer (and the model's chat template, if known).

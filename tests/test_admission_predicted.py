@@ -40,7 +40,7 @@ async def gate() -> AsyncIterator[Gate]:
     g = Gate(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=5, wait_budget_s={"standard": 5})))
     tasks = [asyncio.create_task(g.admission.dispatch("p")),
-             asyncio.create_task(g.admission.grow())]
+             asyncio.create_task(g.admission.ledger.grow())]
     yield g
     for task in tasks:
         task.cancel()

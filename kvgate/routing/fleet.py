@@ -102,6 +102,15 @@ class Fleet:
     def in_pool(self, pool: str) -> list[ReplicaView]:
         return [v for v in self.views if v.pool == pool]
 
+    def max_model_len(self, model: str, pool: str) -> int | None:
+        """The largest context any routable replica of the pool reports for `model` (the
+        router then skips replicas whose own limit is smaller)."""
+        lengths = [
+            n for v in self.in_pool(pool)
+            if v.routable and model in v.models and (n := v.max_model_len(model)) is not None
+        ]
+        return max(lengths) if lengths else None
+
 
 def admissible_blocks(replica: Replica, config: AdmissionConfig) -> int | None:
     """The most a replica's ledger may hold of worst-case reservations."""
