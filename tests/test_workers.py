@@ -42,6 +42,24 @@ def test_several_workers_need_the_shared_store_and_a_fixed_port():
     assert default_workers("redis") >= 1
 
 
+async def workers_with_a_healthy_replica(url: str, timeout_s: float = 20.0) -> set[str]:
+    """Until every worker reports the replica healthy in the merged scrape (or time runs out):
+    the workers that do."""
+    deadline = time.monotonic() + timeout_s
+    workers: set[str] = set()
+    async with aiohttp.ClientSession() as http:
+        while workers != {"0", "1"} and time.monotonic() < deadline:
+            async with http.get(f"{url}/metrics") as response:
+                text = await response.text()
+            workers = {
+                s.labels.get("worker", "")
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if f.name == "kvgate_replica_healthy" and s.value == 1
+            }  # fmt: skip
+            await asyncio.sleep(0.2)
+    return workers
+
+
 async def test_two_workers_serve_one_port_and_one_scrape_shows_both(
     start_kvgate, stub_factory, redis_url
 ):
@@ -51,22 +69,11 @@ async def test_two_workers_serve_one_port_and_one_scrape_shows_both(
                                 "--port", str(port), "--workers", "2")  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url)
+    # the scrape shows every worker's own figures, whichever worker answers it: wait until
+    # both workers have found the replica (a chat may land on either)
+    assert await workers_with_a_healthy_replica(url) == {"0", "1"}
     for _ in range(8):
         status, _, _ = await chat(url)
         assert status == 200
-    # the scrape shows every worker's own figures, whichever worker answers it
-    deadline = time.monotonic() + 20
-    workers: set[str] = set()
-    async with aiohttp.ClientSession() as http:
-        while workers != {"0", "1"} and time.monotonic() < deadline:
-            async with http.get(f"{url}/metrics") as response:
-                text = await response.text()
-            workers = {
-                s.labels.get("worker", "")
-                for f in text_string_to_metric_families(text) for s in f.samples
-                if f.name == "kvgate_state_store_up"
-            }  # fmt: skip
-            await asyncio.sleep(0.2)
-    assert workers == {"0", "1"}
     assert "kvgate: 2 workers" in kvgate.log or "2 workers" in kvgate.log
     assert await kvgate.stop() == 0
