@@ -27,6 +27,7 @@ from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.replicas import Registry, discovery_loop
+from kvgate.routing.drain import watch_drains
 from kvgate.routing.health import STATE_VALUE, Breakers
 from kvgate.routing.router import Router, scorers_for
 from kvgate.routing.scorers import Deps
@@ -123,6 +124,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             lambda: gateway.admission.after_discovery(gateway.registry),
         )),
         _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
+        _task(watch_drains(gateway.store, gateway.registry,
+                           lambda: gateway.runtime.config.discovery.interval_s)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),

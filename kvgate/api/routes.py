@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
 from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
 from kvgate.requests import Endpoint
+from kvgate.routing.drain import set_drain
 from kvgate.workers import PEERS
 
 log = logging.getLogger(__name__)
@@ -208,13 +209,13 @@ async def admin_replicas(request: web.Request) -> web.Response:
 def _drain_handler(drain: bool) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         """Drain a replica (no new requests; in-flight ones finish; its sessions are rebound
-        on their next request) or take it back. Not persisted: a restart or the config's
-        `drain` flag decides again."""
+        on their next request) or take it back: here at once, on every instance sharing the
+        state store within a discovery interval (`kvgate.routing.drain`)."""
         gateway = request.app[GATEWAY]
         replica = gateway.registry.get(request.match_info["replica"])
         if replica is None:
             raise NotFound(f"no replica {request.match_info['replica']!r}", code="unknown_replica")
-        replica.drain_requested = drain
+        await set_drain(gateway.store, replica, drain)
         log.warning("replica %s: %s by the admin API", replica.id, "draining" if drain else "undrained")
         gateway.admission.wake_all()
         return web.json_response({

@@ -302,3 +302,28 @@ async def test_a_session_waiting_for_its_replica_does_not_hold_up_other_requests
         await filler
         assert (await held)[0] == 200
     await wait_released(gw)
+
+
+async def test_a_drain_through_one_instance_drains_the_replica_on_every_instance(
+    sim_factory, gateway_factory, shared_redis
+):
+    sims = [await sim_factory(**SIM, seed=i) for i in range(2)]
+
+    def config() -> Any:
+        return gateway_config([], pools={"default": {"replicas": names(sims)}},
+                              state=shared_redis)
+
+    first, second = await gateway_factory(config()), await gateway_factory(config())
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{first.url}/admin/replicas/r0/drain") as resp:
+            assert resp.status == 200
+        await until(lambda: second.gateway.registry.get("r0").draining)
+        served = {replica for _, replica in
+                  [await post(http, second, chat(f"q{i}")) for i in range(4)]}
+        assert served == {"r1"}
+        await second.runner.cleanup()
+        restarted = await gateway_factory(config())  # the flag outlives an instance
+        await until(lambda: restarted.gateway.registry.get("r0").draining)
+        async with http.post(f"{restarted.url}/admin/replicas/r0/undrain") as resp:
+            assert resp.status == 200
+        await until(lambda: not first.gateway.registry.get("r0").draining)
