@@ -72,6 +72,11 @@ class Metrics:
             "kvgate_requests", "Requests finished, by outcome (ok, client_error, refused, "
             "upstream_error, disconnected).", ["model", "pool", "tenant", "outcome"], registry=r,
         )
+        self.client_refusals = Counter(
+            "kvgate_client_refusals", "Connections and requests refused before they reached "
+            "the request path: too_many_connections, invalid_request (malformed HTTP), "
+            "request_header_fields_too_large.", ["reason"], registry=r,
+        )
         self.refusals = Counter(
             "kvgate_refusals", "Requests kvgate answered itself with an error, by reason.",
             ["pool", "tenant", "reason"], registry=r,

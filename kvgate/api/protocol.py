@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -73,6 +74,7 @@ class GuardedRequestHandler(RequestHandler):
         cap = server.max_connections
         if cap is not None and len(server.connections) > cap:
             server.refused_connections += 1
+            server.count("too_many_connections")
             body = error_body(
                 f"kvgate is at its limit of {cap} client connections; retry shortly",
                 "too_many_connections", "service_unavailable",
@@ -104,6 +106,7 @@ class GuardedRequestHandler(RequestHandler):
         detail = (message or "").splitlines()[0][:200] if message else ""
         if not (self._request_count == 1 and isinstance(exc, BadHttpMethod)):
             server.reports.report(request.remote or "unknown", f"{status} {detail or text}")
+        server.count(code)
         if request.writer.output_size > 0:  # a response had started: the connection is broken
             raise ConnectionError("a response was already sent on this connection")
         body = error_body(f"{text}: {detail}" if detail else text, code,
@@ -117,6 +120,7 @@ class GuardedServer(web.Server):
     max_connections: int | None = None
     refused_connections: int = 0
     reports: Reports
+    count: Callable[[str], None]  # kvgate_client_refusals_total{reason}
 
     def __call__(self) -> RequestHandler:
         return GuardedRequestHandler(self, loop=self._loop, **self._kwargs)
@@ -126,10 +130,16 @@ class GuardedRunner(web.AppRunner):
     """An AppRunner whose connections are `GuardedRequestHandler`s."""
 
     def __init__(
-        self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any
+        self,
+        app: web.Application,
+        *,
+        max_connections: int | None = None,
+        count: Callable[[str], None] = lambda reason: None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(app, **kwargs)
         self.max_connections = max_connections
+        self.count = count
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
@@ -138,13 +148,20 @@ class GuardedRunner(web.AppRunner):
         server.max_connections = self.max_connections
         server.refused_connections = 0
         server.reports = Reports()
+        server.count = self.count
         return server
 
 
 def gateway_runner(app: web.Application, server: ServerConfig, **kwargs: Any) -> GuardedRunner:
     """The runner kvgate serves with: its client limits from `server`, kvgate's own access
     log (aiohttp's is off), handlers cancelled when their client goes away."""
+    from kvgate.api.routes import GATEWAY
+
+    metrics = app[GATEWAY].metrics if GATEWAY in app else None
     return GuardedRunner(
         app, max_connections=server.max_connections, keepalive_timeout=server.client_timeout_s,
-        handler_cancellation=True, access_log=None, **kwargs,
+        handler_cancellation=True, access_log=None,
+        count=(lambda reason: None) if metrics is None
+        else (lambda reason: metrics.client_refusals.labels(reason).inc()),
+        **kwargs,
     )

@@ -102,6 +102,10 @@ async def test_malformed_http_gets_an_openai_shaped_4xx_and_one_warning_per_burs
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert warnings[0].levelno == logging.WARNING and warnings[0].exc_info is None
+    # every one counted, though logged once
+    reason = "request_header_fields_too_large" if status == 431 else "invalid_request"
+    _, scrape = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert f'kvgate_client_refusals_total{{reason="{reason}"}} 20.0'.encode() in scrape
 
 
 async def test_a_header_section_that_trickles_in_is_cut_off(gateway_at: GatewayAt) -> None:
@@ -152,6 +156,7 @@ async def test_connections_beyond_the_cap_are_refused_with_503(gateway_at: Gatew
         status, body = await exchange(port, CHAT + b"Content-Length: 0\r\n\r\n")
         assert status == 503
         assert openai_error(body)["code"] == "too_many_connections"
+        refused = 'kvgate_client_refusals_total{reason="too_many_connections"}'.encode()
     finally:
         for _, writer in held:
             writer.close()
@@ -162,6 +167,8 @@ async def test_connections_beyond_the_cap_are_refused_with_503(gateway_at: Gatew
             break
         await asyncio.sleep(0.02)
     assert status == 200
+    _, scrape = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert refused in scrape
 
 
 async def test_a_client_that_stops_reading_a_stream_is_cut_off_after_the_idle_timeout(
