@@ -156,7 +156,7 @@ async def test_connections_beyond_the_cap_are_refused_with_503(gateway_at: Gatew
         status, body = await exchange(port, CHAT + b"Content-Length: 0\r\n\r\n")
         assert status == 503
         assert openai_error(body)["code"] == "too_many_connections"
-        refused = 'kvgate_client_refusals_total{reason="too_many_connections"}'.encode()
+        refused = b'kvgate_client_refusals_total{reason="too_many_connections"}'
     finally:
         for _, writer in held:
             writer.close()
