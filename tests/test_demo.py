@@ -106,3 +106,23 @@ def test_demo_plot_writes_the_kv_lines_and_the_ttft_cdfs(tmp_path, capsys):
 def test_demo_plot_needs_the_workload(tmp_path, capsys):
     assert main(["demo", "--plot", str(tmp_path)]) == 2
     assert "--plot needs --workload" in capsys.readouterr().err
+
+
+async def test_the_demo_gateway_opens_its_admin_view_to_the_key_it_prints(
+    sim_factory, gateway_factory
+):
+    """`kvgate top --admin-key demo-admin`, as the demo's banner says, can read the fleet."""
+    import aiohttp
+
+    from kvgate.commands import demo
+
+    sims = {name: await sim_factory(time_scale=0.01) for name in ("normal-a", "normal-b", "long")}
+    gw = await gateway_factory(demo.gateway_config(sims, 0))  # type: ignore[arg-type]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{gw.url}/admin/replicas") as resp:
+            assert resp.status in (401, 403)
+        headers = {"Authorization": f"Bearer {demo.DEMO_ADMIN_KEY}"}
+        async with http.get(f"{gw.url}/admin/replicas", headers=headers) as resp:
+            assert resp.status == 200
+            assert len((await resp.json())["replicas"]) == 3
+    assert f"--admin-key {demo.DEMO_ADMIN_KEY}" in demo.banner(gw.url, sims)  # type: ignore[arg-type]

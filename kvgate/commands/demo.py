@@ -51,6 +51,8 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "anonymous", "priority": "standard"},
 ]
 DEMO_KEYS = {"anonymous": "demo"}
+# /admin/* needs a token whenever tenants authenticate: the demo's is this.
+DEMO_ADMIN_KEY = "demo-admin"
 # Latency targets for goodput, in simulated seconds (× --time-scale on the wall clock).
 SHORT_TTFT_SLO_S, LONG_TTFT_SLO_S = 2.0, 10.0
 # The columns of `--workload`: no admission, then kvgate in each admission mode; and kvgate
@@ -182,7 +184,8 @@ def short_ttfts(results: list[Any], time_scale: float) -> list[float | None]:
 
 def top_hint(url: str) -> str:
     return (f"\nTo watch the fleet live: `kvgate demo --port {url.rsplit(':', 1)[1]}` in one "
-            f"terminal, then in another\n  kvgate top --url {url} --once   "
+            f"terminal, then in another\n  kvgate top --url {url} --admin-key {DEMO_ADMIN_KEY} "
+            "--once   "
             "(one frame, for scripts; without --once it refreshes in place)")
 
 
@@ -222,8 +225,9 @@ def column(results: list[Any], fleet: dict[str, SimReplica], args: argparse.Name
 
 def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted",
                    normalization: dict[str, Any] | None = None) -> Config:
+    admin = {"token_sha256": hashlib.sha256(DEMO_ADMIN_KEY.encode()).hexdigest()}
     return parse_config({
-        "server": {"port": port},
+        "server": {"port": port, "admin": admin},
         "pools": {
             "default": {"replicas": [{"url": fleet["normal-a"].url, "name": "normal-a"},
                                      {"url": fleet["normal-b"].url, "name": "normal-b"}]},
@@ -287,9 +291,11 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
         "",
         "Look at:",
         f"  {url}/metrics          kvgate's metrics (kvgate_replica_reserved_blocks, ...)",
-        f"  {url}/admin/replicas   each replica: blocks total / reserved / written, vLLM's view",
+        f"  {url}/admin/replicas   each replica: blocks, headroom, circuit, vLLM's view "
+        f"(header 'Authorization: Bearer {DEMO_ADMIN_KEY}')",
         f"  {fleet['normal-a'].url}/metrics   a replica's own vLLM metrics",
-        f"  kvgate top --url {url}   a live terminal view (--once: one frame)",
+        f"  kvgate top --url {url} --admin-key {DEMO_ADMIN_KEY}   a live terminal view "
+        "(--once: one frame)",
         "Tenants: api_key \"vip\" (critical), \"chat-app\", \"batch\" (sheddable), \"demo\" "
         "(anonymous); or X-Tenant-Id from 127.0.0.1. Ctrl-C to stop.",
     ]
