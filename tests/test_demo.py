@@ -91,7 +91,7 @@ def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
 
     hint = top_hint("http://127.0.0.1:8080")
     assert "kvgate demo --port 8080" in hint
-    assert "kvgate top --url http://127.0.0.1:8080 --once" in hint
+    assert "kvgate top --url http://127.0.0.1:8080 --admin-key demo-admin --once" in hint
 
 
 def test_demo_plot_writes_the_kv_lines_and_the_ttft_cdfs(tmp_path, capsys):
