@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +41,8 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleetbench.processes import free_port  # bench/ is on the path when run
 
 from kvgate.commands.demo import start_gateway
 from kvgate.config import parse_config
@@ -247,12 +248,6 @@ async def start_vllm_router(workers: list[str]) -> tuple[asyncio.subprocess.Proc
             await asyncio.sleep(0.1)
     process.terminate()
     raise RuntimeError("vllm-router did not become ready")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def scrape(http: aiohttp.ClientSession, sims: list[SimReplica]) -> dict[str, tuple[float, float]]:

@@ -42,7 +42,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import yaml
+from fleetbench.processes import free_port  # bench/ is on the path when run
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a helpful assistant for a KV-cache gateway benchmark. Answer briefly. " * 11
@@ -195,13 +195,6 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the driver dies, even by SIGKILL (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def wait_ready(http: aiohttp.ClientSession, children: Children, name: str, url: str) -> None:
