@@ -9,6 +9,10 @@ Keys carry the configured prefix and a Redis Cluster hash tag per pool / bucket 
 (`{prefix:pool}:leases`, `{prefix:pool}:amounts`, `{prefix:pool}:held`), so a script's keys
 share one slot.
 
+The lease and bucket logic lives once, as Lua functions in lua/lib/; each script is those
+files followed by its own body (`_Script`), so every script that holds a lease or takes from
+a bucket runs the same code.
+
 Calls are pipelined: every call made in one turn of the event loop — by this request and by
 every other in flight — goes to Redis in one pipeline, one round trip, sent by a task of its
 own (so a caller's first step never enters a timeout; see kvgate/protect.py). Each call is
@@ -50,11 +54,14 @@ RESUBSCRIBE_S = 0.5
 
 
 class _Script:
-    """A Lua script from kvgate/state/lua, run by SHA (EVALSHA), loaded again on NOSCRIPT."""
+    """A Lua script from kvgate/state/lua, after the function files it `uses` from lua/lib/;
+    run by SHA (EVALSHA), loaded again on NOSCRIPT."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, uses: Sequence[str] = ()) -> None:
         self.name = name
-        self.source = resources.files("kvgate.state").joinpath(f"lua/{name}.lua").read_text()
+        lua = resources.files("kvgate.state").joinpath("lua")
+        parts = [lua.joinpath(f"lib/{lib}.lua").read_text() for lib in uses]
+        self.source = "".join([*parts, lua.joinpath(f"{name}.lua").read_text()])
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
 
@@ -96,8 +103,8 @@ class RedisStore:
         self._senders: set[asyncio.Task[None]] = set()
         self.round_trips = 0  # pipelines sent
         self.calls = 0  # commands in them
-        self._lease = _Script("lease")
-        self._bucket = _Script("bucket")
+        self._lease = _Script("lease", ("clock", "leases"))
+        self._bucket = _Script("bucket", ("clock", "buckets"))
         self._bind = _Script("bind")
 
     # --- keys (one hash tag per pool / bucket / binding) -------------------------------------
