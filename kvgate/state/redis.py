@@ -5,9 +5,12 @@ read-then-write race, and the scripts read Redis's own clock (`TIME`) for expiry
 instances with skewed clocks agree. Scripts are called by SHA and loaded again when Redis answers
 NOSCRIPT (after a restart or SCRIPT FLUSH).
 
-Keys carry the configured prefix and a Redis Cluster hash tag per pool / bucket / binding
-(`{prefix:pool}:leases`, `{prefix:pool}:amounts`, `{prefix:pool}:held`), so a script's keys
-share one slot.
+Keys carry the configured prefix and a Redis Cluster hash tag per name group (a name
+`<group>/<part>` groups with its group's other names; a name without `/` is a group of its
+own): `{prefix:ledger:r1}:leases`, `{prefix:tenant:team}/concurrency:leases`,
+`{prefix:tenant:team}/tokens:bucket`. So a script's keys share one slot, and one script may
+touch several names of a group, while a single call on any of those names addresses the very
+keys such a script uses.
 
 The lease and bucket logic lives once, as Lua functions in lua/lib/; each script is those
 files followed by its own body (`_Script`), so every script that holds a lease or takes from
@@ -107,18 +110,25 @@ class RedisStore:
         self._bucket = _Script("bucket", ("clock", "buckets"))
         self._bind = _Script("bind")
 
-    # --- keys (one hash tag per pool / bucket / binding) -------------------------------------
+    # --- keys (one hash tag per name group, or per binding) ----------------------------------
+
+    def _tagged(self, name: str) -> str:
+        """`{prefix:group}/part` for a name `group/part`, `{prefix:name}` for one without."""
+        group, slash, part = name.rpartition("/")
+        if not slash:
+            return f"{{{self.key_prefix}:{name}}}"
+        return f"{{{self.key_prefix}:{group}}}/{part}"
 
     def lease_keys(self, pool: str) -> tuple[str, str, str]:
-        tag = f"{{{self.key_prefix}:{pool}}}"
-        return f"{tag}:leases", f"{tag}:amounts", f"{tag}:held"
+        key = self._tagged(pool)
+        return f"{key}:leases", f"{key}:amounts", f"{key}:held"
 
     @property
     def releases_channel(self) -> str:
         return f"{self.key_prefix}:released"
 
     def bucket_key(self, bucket: str) -> str:
-        return f"{{{self.key_prefix}:{bucket}}}:bucket"
+        return f"{self._tagged(bucket)}:bucket"
 
     def binding_key(self, key: str) -> str:
         return f"{{{self.key_prefix}:{key}}}:binding"

@@ -93,11 +93,22 @@ async def test_two_instances_draining_a_bucket_never_exceed_its_rate(
 
 
 async def test_the_keys_of_one_script_share_a_cluster_slot(redis_store: RedisStore) -> None:
-    for pool in ("ledger:replica-a", "concurrency:tenant}x", "{odd}"):
+    for pool in ("ledger:replica-a", "concurrency:tenant}x", "{odd}", "a/b/c"):
         slots = {key_slot(key.encode()) for key in redis_store.lease_keys(pool)}
         assert len(slots) == 1
     for key in (*redis_store.lease_keys("p"), redis_store.bucket_key("b")):
         assert key.startswith(f"{{{redis_store.key_prefix}:")
+
+
+async def test_the_names_of_one_group_share_a_cluster_slot(redis_store: RedisStore) -> None:
+    """`group/part` names are tagged by their group, so one script may touch several."""
+    keys = [*redis_store.lease_keys("g:1/pool"), redis_store.bucket_key("g:1/a"),
+            redis_store.bucket_key("g:1/b"), *redis_store.lease_keys("g:1/other")]  # fmt: skip
+    assert len(set(keys)) == len(keys)
+    # the slot of the tag `prefix:group`
+    assert {key_slot(key.encode()) for key in keys} == {
+        key_slot(f"{redis_store.key_prefix}:g:1".encode())
+    }
 
 
 async def test_every_key_expires_by_itself(
