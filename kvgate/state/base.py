@@ -13,16 +13,26 @@ Three primitives cover the gateway's shared state:
   above the bucket's capacity.
 * **Bindings** (`bind` / `lookup` / `unbind`): a value per key with a TTL; `bind` is
   set-if-absent or compare-and-set. Session → replica bindings live here.
+* **Composite steps** (`charge` / `settle`): a lease and several buckets in one step, for a
+  tenant's admission and its end (issue 14: one store call where there were three, and no
+  partial holds to give back). `charge` takes a lease and an amount from each bucket, all or
+  nothing; `settle` releases a lease and corrects buckets (a refund put back, an overdraw taken
+  by force). They mean exactly what the single calls would mean, done at one instant.
+
+Names group: a pool or bucket named `<group>/<part>` (e.g. `tenant:team/concurrency`,
+`tenant:team/tokens`) is kept beside every other name of its group, so one composite step may
+touch them together (Redis: one hash tag, one Cluster slot). A composite step's lease and
+buckets must share one group; a name without `/` is a group of its own.
 
 Every call is one atomic step (one Lua script in Redis), so N instances enforce one limit.
 Implementations raise `StateStoreError` when the backend cannot be reached (within a short
 timeout: a store never hangs a request); what to do then is the caller's configured decision.
-Amounts are non-negative integers; times are seconds (float).
+Amounts are non-negative integers (a correction's `delta` is signed); times are seconds (float).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +59,60 @@ class BucketState:
     remaining: int  # units left after this call (may be negative after a forced take)
     retry_after_s: float  # when `amount` would fit (0 if allowed)
     reset_s: float  # when the bucket is full again
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHold:
+    """`amount` units of `pool` held as lease `lease_id`, within `limit`, for `ttl_s`."""
+
+    pool: str
+    lease_id: str
+    amount: int
+    limit: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BucketTake:
+    """`amount` units of `bucket`, a token bucket under `limit`."""
+
+    bucket: str
+    amount: int
+    limit: BucketLimit
+
+
+@dataclass(frozen=True, slots=True)
+class BucketCorrection:
+    """A bucket set right after the fact: `delta` > 0 is put back (a refund, capped at the
+    capacity), `delta` < 0 is taken by force (used beyond what was taken: debt)."""
+
+    bucket: str
+    delta: int
+    limit: BucketLimit
+
+
+@dataclass(frozen=True, slots=True)
+class Charged:
+    """What `charge` found. `lease_fits`: the lease fits its pool (True when there was none).
+    `buckets`: one state per take, in order; `allowed` says whether that take fits, and
+    `remaining` is the level after the step (after the take when `granted`, untouched else)."""
+
+    lease_fits: bool
+    buckets: tuple[BucketState, ...]
+
+    @property
+    def granted(self) -> bool:
+        """Everything was taken; otherwise nothing was."""
+        return self.lease_fits and all(state.allowed for state in self.buckets)
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What `settle` did: the units the release freed (0: no lease, or already gone) and one
+    state per correction, in order, after it."""
+
+    released: int
+    buckets: tuple[BucketState, ...]
 
 
 class StateStore(Protocol):
@@ -87,6 +151,20 @@ class StateStore(Protocol):
 
     async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
         """The bucket's state now, without changing it."""
+        ...
+
+    async def charge(self, lease: LeaseHold | None, takes: Sequence[BucketTake]) -> Charged:
+        """Hold `lease` (as `try_acquire` would) and take every amount (as `take` would), all
+        in one step, only if every one fits; otherwise change nothing. Each bucket at most
+        once; the lease and the buckets in one name group."""
+        ...
+
+    async def settle(
+        self, release: LeaseHold | None, corrections: Sequence[BucketCorrection]
+    ) -> Settled:
+        """Release the lease `release` names (its pool and id; as `release` would: idempotent,
+        announced to watchers) and apply every correction, in one step. Each bucket at most once, all in the
+        lease's name group."""
         ...
 
     async def bind(self, key: str, value: str, ttl_s: float, *, replace: str | None = None) -> str:

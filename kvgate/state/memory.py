@@ -14,10 +14,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvgate.state.base import BucketLimit, BucketState
+from kvgate.state.base import (
+    BucketCorrection,
+    BucketLimit,
+    BucketState,
+    BucketTake,
+    Charged,
+    LeaseHold,
+    Settled,
+)
 
 # Expired bindings and full buckets are dropped in a sweep once the table has doubled since the
 # last one, so the tables stay proportional to what is live (sessions come and go).
@@ -60,6 +68,11 @@ class _Bucket:
             reset_s=(limit.capacity - self.level) / limit.rate_per_s,
         )
 
+    def wait_for(self, amount: int, limit: BucketLimit) -> float:
+        """Seconds until `amount` would fit; more than the whole capacity never fits, so
+        then the time to a full bucket."""
+        return max(0.0, (min(amount, limit.capacity) - self.level) / limit.rate_per_s)
+
 
 def remaining_units(level: float) -> int:
     """Whole units left; the epsilon keeps float refill error from costing a unit."""
@@ -69,6 +82,16 @@ def remaining_units(level: float) -> int:
 def check_limit(limit: BucketLimit) -> None:
     if limit.capacity <= 0 or limit.period_s <= 0:
         raise ValueError(f"a bucket needs capacity > 0 and period_s > 0, got {limit}")
+
+
+def check_buckets(steps: Iterable[BucketTake | BucketCorrection]) -> None:
+    """A composite step's buckets: valid limits, each bucket once."""
+    names: set[str] = set()
+    for step in steps:
+        check_limit(step.limit)
+        if step.bucket in names:
+            raise ValueError(f"bucket {step.bucket!r} appears twice in one step")
+        names.add(step.bucket)
 
 
 class MemoryStore:
@@ -98,24 +121,33 @@ class MemoryStore:
             del self._pools[pool]
         return leases
 
-    async def try_acquire(
-        self, pool: str, lease_id: str, amount: int, limit: int, ttl_s: float
-    ) -> bool:
-        now = self._clock()
-        leases = self._live_pool(pool, now)
-        current = leases[lease_id].amount if lease_id in leases else 0
+    def _lease_fits(self, hold: LeaseHold, now: float) -> bool:
+        leases = self._live_pool(hold.pool, now)
+        current = leases[hold.lease_id].amount if hold.lease_id in leases else 0
         held = sum(lease.amount for lease in leases.values())
-        if held - current + amount > limit:
-            return False
-        self._pools.setdefault(pool, leases)[lease_id] = _Lease(amount, now + ttl_s)
-        return True
+        return held - current + hold.amount <= hold.limit
 
-    async def release(self, pool: str, lease_id: str) -> int:
+    def _hold(self, hold: LeaseHold, now: float) -> None:
+        self._pools.setdefault(hold.pool, {})[hold.lease_id] = _Lease(hold.amount, now + hold.ttl_s)
+
+    def _release(self, pool: str, lease_id: str) -> int:
         leases = self._live_pool(pool, self._clock())
         lease = leases.pop(lease_id, None)
         if not leases:
             self._pools.pop(pool, None)
         return lease.amount if lease is not None else 0
+
+    async def try_acquire(
+        self, pool: str, lease_id: str, amount: int, limit: int, ttl_s: float
+    ) -> bool:
+        hold, now = LeaseHold(pool, lease_id, amount, limit, ttl_s), self._clock()
+        if not self._lease_fits(hold, now):
+            return False
+        self._hold(hold, now)
+        return True
+
+    async def release(self, pool: str, lease_id: str) -> int:
+        return self._release(pool, lease_id)
 
     async def renew(self, pool: str, lease_ids: list[str], ttl_s: float) -> int:
         now = self._clock()
@@ -163,13 +195,16 @@ class MemoryStore:
         if force or amount <= state.level:
             state.level -= amount
             return state.state(True, 0.0, limit)
-        # More than the whole capacity never fits: report the time to a full bucket.
-        retry_after_s = (min(amount, limit.capacity) - state.level) / limit.rate_per_s
-        return state.state(False, retry_after_s, limit)
+        return state.state(False, state.wait_for(amount, limit), limit)
 
     async def put_back(self, bucket: str, amount: int, limit: BucketLimit) -> BucketState:
-        state = self._bucket(bucket, limit)
-        state.level = min(float(limit.capacity), state.level + amount)
+        return self._correct(BucketCorrection(bucket, amount, limit))
+
+    def _correct(self, correction: BucketCorrection) -> BucketState:
+        """Put back a refund (capped at the capacity) or take an overdraw by force."""
+        limit = correction.limit
+        state = self._bucket(correction.bucket, limit)
+        state.level = min(float(limit.capacity), state.level + correction.delta)
         return state.state(True, 0.0, limit)
 
     async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
@@ -182,6 +217,32 @@ class MemoryStore:
         if state.level >= 1:
             return state.state(True, 0.0, limit)
         return state.state(False, (1 - state.level) / limit.rate_per_s, limit)
+
+    # --- composite steps ----------------------------------------------------------------------
+
+    async def charge(self, lease: LeaseHold | None, takes: Sequence[BucketTake]) -> Charged:
+        check_buckets(takes)
+        now = self._clock()
+        lease_fits = lease is None or self._lease_fits(lease, now)
+        buckets = [(self._bucket(take.bucket, take.limit), take) for take in takes]
+        fits = [take.amount <= bucket.level for bucket, take in buckets]
+        if lease_fits and all(fits):
+            if lease is not None:
+                self._hold(lease, now)
+            for bucket, take in buckets:
+                bucket.level -= take.amount
+        return Charged(lease_fits, tuple(
+            bucket.state(True, 0.0, take.limit) if fit
+            else bucket.state(False, bucket.wait_for(take.amount, take.limit), take.limit)
+            for (bucket, take), fit in zip(buckets, fits, strict=True)
+        ))  # fmt: skip
+
+    async def settle(
+        self, release: LeaseHold | None, corrections: Sequence[BucketCorrection]
+    ) -> Settled:
+        check_buckets(corrections)
+        released = 0 if release is None else self._release(release.pool, release.lease_id)
+        return Settled(released, tuple(self._correct(c) for c in corrections))
 
     # --- bindings -----------------------------------------------------------------------------
 

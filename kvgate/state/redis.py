@@ -5,12 +5,12 @@ read-then-write race, and the scripts read Redis's own clock (`TIME`) for expiry
 instances with skewed clocks agree. Scripts are called by SHA and loaded again when Redis answers
 NOSCRIPT (after a restart or SCRIPT FLUSH).
 
-Keys carry the configured prefix and a Redis Cluster hash tag per name group (a name
-`<group>/<part>` groups with its group's other names; a name without `/` is a group of its
-own): `{prefix:ledger:r1}:leases`, `{prefix:tenant:team}/concurrency:leases`,
-`{prefix:tenant:team}/tokens:bucket`. So a script's keys share one slot, and one script may
-touch several names of a group, while a single call on any of those names addresses the very
-keys such a script uses.
+Keys carry the configured prefix and a Redis Cluster hash tag per name group (base.py: a
+name `<group>/<part>` groups with its group's other names; a name without `/` is a group of
+its own): `{prefix:ledger:r1}:leases`, `{prefix:tenant:team}/concurrency:leases`,
+`{prefix:tenant:team}/tokens:bucket`. So a script's keys share one slot, a tenant's composite
+`charge` and `settle` included, and a single call on any of those names (a renewal, a peek,
+a release) addresses the very keys the composite step uses.
 
 The lease and bucket logic lives once, as Lua functions in lua/lib/; each script is those
 files followed by its own body (`_Script`), so every script that holds a lease or takes from
@@ -20,8 +20,9 @@ Calls are pipelined: every call made in one turn of the event loop — by this r
 every other in flight — goes to Redis in one pipeline, one round trip, sent by a task of its
 own (so a caller's first step never enters a timeout; see kvgate/protect.py). Each call is
 still its own script, atomic on its own; a pipeline only saves round trips and syscalls
-(issue 14: at 32 clients, the per-call round trips were most of the Redis store's CPU).
-`round_trips` and `calls` count them for /metrics.
+(issue 14: at 32 clients, the per-call round trips were most of the Redis store's CPU), and
+the composite steps save the calls themselves. `round_trips` and `calls` count them for
+/metrics.
 
 Timeouts are short (connect, read and waiting for a pooled connection), with one immediate retry
 on a fresh connection after a connection error, so a connection left stale by a Redis restart
@@ -48,8 +49,17 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
-from kvgate.state.base import BucketLimit, BucketState, StateStoreError
-from kvgate.state.memory import check_limit, remaining_units
+from kvgate.state.base import (
+    BucketCorrection,
+    BucketLimit,
+    BucketState,
+    BucketTake,
+    Charged,
+    LeaseHold,
+    Settled,
+    StateStoreError,
+)
+from kvgate.state.memory import check_buckets, check_limit, remaining_units
 
 ScriptArg = str | int | float
 log = logging.getLogger(__name__)
@@ -108,6 +118,8 @@ class RedisStore:
         self.calls = 0  # commands in them
         self._lease = _Script("lease", ("clock", "leases"))
         self._bucket = _Script("bucket", ("clock", "buckets"))
+        self._charge = _Script("charge", ("clock", "leases", "buckets"))
+        self._settle = _Script("settle", ("clock", "leases", "buckets"))
         self._bind = _Script("bind")
 
     # --- keys (one hash tag per name group, or per binding) ----------------------------------
@@ -174,15 +186,40 @@ class RedisStore:
         check_limit(limit)
         args = (op, amount, limit.capacity, repr(float(limit.period_s)))
         reply = await self._run(self._bucket, (self.bucket_key(bucket),), args)
-        if not isinstance(reply, list) or len(reply) != 4:
-            raise StateStoreError(f"bucket.lua answered {reply!r}")
-        allowed, level, retry_ms, reset_ms = reply
-        return BucketState(
-            allowed=bool(allowed),
-            remaining=remaining_units(float(level)),
-            retry_after_s=float(retry_ms) / 1000,
-            reset_s=float(reset_ms) / 1000,
-        )
+        return _parse(reply, 0, 1, "bucket.lua")[1][0]
+
+    # --- composite steps ----------------------------------------------------------------------
+
+    async def charge(self, lease: LeaseHold | None, takes: Sequence[BucketTake]) -> Charged:
+        check_buckets(takes)
+        keys: list[str] = []
+        args: list[ScriptArg] = ["0"]
+        if lease is not None:
+            keys += self.lease_keys(lease.pool)
+            args = ["1", lease.lease_id, lease.amount, lease.limit, _ms(lease.ttl_s)]
+        for take in takes:
+            keys.append(self.bucket_key(take.bucket))
+            args += (take.amount, take.limit.capacity, repr(float(take.limit.period_s)))
+        reply = await self._run(self._charge, keys, args)
+        (fits,), states = _parse(reply, 1, len(takes), "charge.lua")
+        return Charged(lease_fits=bool(fits), buckets=states)
+
+    async def settle(
+        self, release: LeaseHold | None, corrections: Sequence[BucketCorrection]
+    ) -> Settled:
+        check_buckets(corrections)
+        keys: list[str] = []
+        args: list[ScriptArg] = ["0"]
+        if release is not None:
+            keys += self.lease_keys(release.pool)
+            args = ["1", release.lease_id, self.releases_channel, release.pool]
+        for correction in corrections:
+            keys.append(self.bucket_key(correction.bucket))
+            limit = correction.limit
+            args += (correction.delta, limit.capacity, repr(float(limit.period_s)))
+        reply = await self._run(self._settle, keys, args)
+        (released,), states = _parse(reply, 1, len(corrections), "settle.lua")
+        return Settled(released=_int(released), buckets=states)
 
     # --- bindings -----------------------------------------------------------------------------
 
@@ -305,6 +342,26 @@ async def _translated(what: str) -> AsyncIterator[None]:
         yield
     except (RedisError, OSError) as exc:
         raise StateStoreError(f"redis {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _parse(
+    reply: object, head: int, buckets: int, what: str
+) -> tuple[list[object], tuple[BucketState, ...]]:
+    """A script's reply: `head` fields of its own, then four per bucket (lib/buckets.lua's
+    bucket_reply)."""
+    if not isinstance(reply, list) or len(reply) != head + 4 * buckets:
+        raise StateStoreError(f"{what} answered {reply!r}")
+    fields = reply[head:]
+    states = tuple(
+        BucketState(
+            allowed=bool(fields[i]),
+            remaining=remaining_units(float(fields[i + 1])),
+            retry_after_s=float(fields[i + 2]) / 1000,
+            reset_s=float(fields[i + 3]) / 1000,
+        )
+        for i in range(0, len(fields), 4)
+    )
+    return reply[:head], states
 
 
 def _ms(seconds: float) -> str:

@@ -22,19 +22,36 @@ Leases taken in the fallback stay there until released: `release` / `renew` / re
 lease go to the fallback even after the primary is back, and while they live their units count
 against the primary's limit for the same pool (`held` adds them), so this instance does not
 over-admit on recovery.
+
+The composite steps follow the same rules as the calls they combine: a `charge` goes to the
+primary with the lease's limit less the fallback's units of that pool, and when served by the
+fallback records its lease and bucket use there; a `settle` whose lease the fallback holds
+releases it in the fallback, and its corrections go wherever corrections go now (the primary
+when up), so the step is then two calls, one of them local.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, TypeVar, get_args
 
 from kvgate.errors import StateStoreUnavailable
-from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
+from kvgate.state.base import (
+    BucketCorrection,
+    BucketLimit,
+    BucketState,
+    BucketTake,
+    Charged,
+    LeaseHold,
+    Settled,
+    StateStore,
+    StateStoreError,
+)
 
 FailureMode = Literal["fail_open", "fail_closed"]
 T = TypeVar("T")
@@ -205,6 +222,47 @@ class ResilientStore:
                 "state store (%s): charged %d units used locally during the outage to the "
                 "shared buckets", self.backend, charged,
             )
+
+    # --- composite steps ----------------------------------------------------------------------
+
+    async def charge(self, lease: LeaseHold | None, takes: Sequence[BucketTake]) -> Charged:
+        async def in_fallback() -> Charged:
+            charged = await self._fallback.charge(lease, takes)
+            if charged.granted:
+                if lease is not None:
+                    self._fallback_leases.setdefault(lease.pool, set()).add(lease.lease_id)
+                for take in takes:
+                    self._note_local_use(take.bucket, take.amount, take.limit)
+            return charged
+
+        if lease is not None and self._in_fallback(lease.pool, lease.lease_id):
+            return await in_fallback()  # re-acquiring a lease the fallback holds
+        shared = lease
+        if lease is not None:
+            local = await self._fallback_held(lease.pool)
+            shared = dataclasses.replace(lease, limit=lease.limit - local)
+        return await self._call(lambda: self._primary.charge(shared, takes), in_fallback)
+
+    async def settle(
+        self, release: LeaseHold | None, corrections: Sequence[BucketCorrection]
+    ) -> Settled:
+        released = 0
+        if release is not None and self._in_fallback(release.pool, release.lease_id):
+            self._forget_fallback_lease(release.pool, release.lease_id)
+            released = (await self._fallback.settle(release, ())).released
+            release = None
+            if not corrections:
+                return Settled(released, ())
+
+        async def in_fallback() -> Settled:
+            for correction in corrections:  # a refund undoes local use, an overdraw adds
+                self._note_local_use(correction.bucket, -correction.delta, correction.limit)
+            return await self._fallback.settle(release, corrections)
+
+        settled = await self._call(
+            lambda: self._primary.settle(release, corrections), in_fallback
+        )
+        return Settled(released + settled.released, settled.buckets)
 
     async def peek(self, bucket: str, limit: BucketLimit) -> BucketState:
         return await self._call(

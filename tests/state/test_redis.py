@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio
 from redis.crc import key_slot
 
-from kvgate.state.base import BucketLimit, StateStoreError
+from kvgate.state.base import BucketCorrection, BucketLimit, BucketTake, LeaseHold, StateStoreError
 from kvgate.state.redis import RedisStore
 from tests.plugins.redis_server import PrivateRedis, free_port
 
@@ -111,6 +111,32 @@ async def test_the_names_of_one_group_share_a_cluster_slot(redis_store: RedisSto
     }
 
 
+async def test_a_charge_writes_only_its_keys_in_one_slot(
+    redis_store: RedisStore, client: redis.asyncio.Redis, key_prefix: str
+) -> None:
+    limit = BucketLimit(capacity=100)
+    hold = LeaseHold("tenant:team/concurrency", "a", 1, 2, ttl_s=30)
+    charged = await redis_store.charge(hold, [
+        BucketTake("tenant:team/requests", 1, limit), BucketTake("tenant:team/tokens", 50, limit),
+    ])  # fmt: skip
+    assert charged.granted
+    keys = {key async for key in client.scan_iter(match=f"{{{key_prefix}:*")}
+    assert keys == {
+        *redis_store.lease_keys(hold.pool),
+        redis_store.bucket_key("tenant:team/requests"),
+        redis_store.bucket_key("tenant:team/tokens"),
+    }
+    assert len({key_slot(key.encode()) for key in keys}) == 1
+    for key in keys:
+        assert await client.pttl(key) > 0  # nothing a crashed instance leaves lives forever
+    settled = await redis_store.settle(hold, [
+        BucketCorrection("tenant:team/tokens", 50, limit),
+        BucketCorrection("tenant:team/requests", 1, limit),
+    ])  # fmt: skip
+    assert settled.released == 1
+    assert [key async for key in client.scan_iter(match=f"{{{key_prefix}:*")] == []
+
+
 async def test_every_key_expires_by_itself(
     redis_store: RedisStore, client: redis.asyncio.Redis, key_prefix: str
 ) -> None:
@@ -142,6 +168,11 @@ async def test_scripts_are_loaded_again_after_a_script_flush(
     await client.script_flush()
     assert await redis_store.held("pool") == 1
     assert (await redis_store.take("bucket", 1, BucketLimit(capacity=10))).allowed
+    await client.script_flush()
+    hold = LeaseHold("pool", "b", 1, 10, ttl_s=30)
+    assert (await redis_store.charge(hold, [])).granted
+    await client.script_flush()
+    assert (await redis_store.settle(hold, [])).released == 1
 
 
 async def test_an_unreachable_redis_raises_instead_of_hanging() -> None:
@@ -204,6 +235,11 @@ async def test_a_release_is_announced_to_every_instance_watching(
         assert await redis_store.release("ledger:r1", "a") == 3
         async with asyncio.timeout(2):
             assert await heard.get() == "ledger:r1"
+        hold = LeaseHold("tenant:team/concurrency", "b", 1, 10, ttl_s=30)
+        assert (await redis_store.charge(hold, [])).granted
+        assert (await redis_store.settle(hold, [])).released == 1
+        async with asyncio.timeout(2):
+            assert await heard.get() == hold.pool
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

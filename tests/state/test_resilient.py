@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from kvgate.errors import StateStoreUnavailable
-from kvgate.state.base import BucketLimit, StateStoreError
+from kvgate.state.base import (
+    BucketCorrection,
+    BucketLimit,
+    BucketTake,
+    LeaseHold,
+    StateStoreError,
+)
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
 from kvgate.state.resilient import FailureMode, ResilientStore
@@ -189,3 +195,116 @@ async def test_fail_open_charges_what_was_used_locally_to_redis_when_it_returns(
     # Redis saw 10 before the outage and Redis was restarted empty (no persistence), so the
     # shared bucket now holds what the outage used: 100 - 25.
     assert (await store.peek("tenant", LIMIT)).remaining == 75
+
+
+# --- the composite steps ----------------------------------------------------------------------
+
+POOL, REQUESTS, TOKENS = "tenant:t/concurrency", "tenant:t/requests", "tenant:t/tokens"
+
+
+def hold(lease_id: str, limit: int = 1) -> LeaseHold:
+    return LeaseHold(POOL, lease_id, 1, limit, ttl_s=30)
+
+
+def takes(tokens: int) -> list[BucketTake]:
+    return [BucketTake(REQUESTS, 1, LIMIT), BucketTake(TOKENS, tokens, LIMIT)]
+
+
+@pytest.fixture
+async def shared_view(private_redis: PrivateRedis) -> AsyncIterator[RedisStore]:
+    """The shared store as another instance sees it (no fallback of its own)."""
+    store = RedisStore(private_redis.url, key_prefix="kvgate-test", timeout_s=2.0)
+    yield store
+    await store.close()
+
+
+async def test_fail_closed_refuses_charges_and_settlements_while_redis_is_down(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_closed")
+    assert (await store.charge(hold("before"), takes(10))).granted
+    await private_redis.stop()
+    with pytest.raises(StateStoreUnavailable):
+        await store.charge(hold("during", limit=5), takes(10))
+    with pytest.raises(StateStoreUnavailable):
+        await store.settle(hold("before"), [BucketCorrection(TOKENS, 10, LIMIT)])
+    assert store.fallback_calls == 0
+    await private_redis.start()
+    await wait_until_up(store)
+    # the restarted Redis lost everything (no persistence), and nothing was taken locally
+    assert await store.held(POOL) == 0
+    assert (await store.charge(hold("after"), takes(10))).granted
+
+
+async def test_fail_open_charges_from_local_limits_all_or_nothing(
+    make_store: StoreFactory, private_redis: PrivateRedis
+) -> None:
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert (await store.charge(hold("a", limit=2), takes(60))).granted
+    refused = await store.charge(hold("b", limit=2), takes(60))  # the tokens refuse
+    assert not refused.granted and refused.lease_fits
+    assert await store.held(POOL) == 1  # the refused charge's lease was not kept
+    assert (await store.peek(REQUESTS, LIMIT)).remaining == 99
+    assert store.fallback_calls == 4
+    assert not store.up
+
+
+async def test_a_lease_charged_during_an_outage_is_settled_in_the_fallback_after_recovery(
+    make_store: StoreFactory, private_redis: PrivateRedis, shared_view: RedisStore
+) -> None:
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert (await store.charge(hold("during-outage"), takes(40))).granted
+    await private_redis.start()
+    await wait_until_up(store)
+    for _ in range(100):  # the recovery charges the shared buckets with the outage's use
+        if store.reconciled_units:
+            break
+        await asyncio.sleep(0.02)
+    assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 60
+    # still held locally: it counts against the shared limit on this instance
+    assert await shared_view.held(POOL) == 0
+    assert await store.held(POOL) == 1
+    assert not (await store.charge(hold("after"), takes(1))).granted
+    assert await store.renew(POOL, ["during-outage"], ttl_s=30) == 1
+    # released where it is held, corrected in the shared bucket
+    settled = await store.settle(hold("during-outage"), [BucketCorrection(TOKENS, 30, LIMIT)])
+    assert settled.released == 1
+    assert settled.buckets[0].remaining == 90
+    assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 90
+    assert await store.held(POOL) == 0
+    assert (await store.settle(hold("during-outage"), [])).released == 0
+    assert (await store.charge(hold("after"), takes(1))).granted
+    assert await shared_view.held(POOL) == 1
+
+
+async def test_a_lease_charged_before_an_outage_is_settled_in_redis(
+    make_store: StoreFactory, shared_view: RedisStore
+) -> None:
+    store = make_store("fail_open")
+    assert (await store.charge(hold("before"), takes(50))).granted
+    assert await shared_view.held(POOL) == 1
+    settled = await store.settle(hold("before"), [BucketCorrection(TOKENS, -10, LIMIT)])
+    assert settled.released == 1
+    assert settled.buckets[0].remaining == 40
+    assert await shared_view.held(POOL) == 0
+    assert store.fallback_calls == 0
+
+
+async def test_fail_open_reconciles_what_local_charges_used_less_local_refunds(
+    make_store: StoreFactory, private_redis: PrivateRedis, shared_view: RedisStore
+) -> None:
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert (await store.charge(hold("a"), takes(30))).granted
+    await store.settle(hold("a"), [BucketCorrection(TOKENS, 5, LIMIT)])  # refunded locally
+    await private_redis.start()
+    await wait_until_up(store)
+    for _ in range(100):
+        if store.reconciled_units:
+            break
+        await asyncio.sleep(0.02)
+    assert store.reconciled_units == 25 + 1  # tokens, and the one request
+    assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 75
+    assert (await shared_view.peek(REQUESTS, LIMIT)).remaining == 99
