@@ -72,6 +72,7 @@ class Workload:
     name: str
     max_tokens: int
     stream: bool
+    interval_ms: float = 0.0  # the stub's pause before each token (0: all at once)
 
     def bodies(self, n: int = 64) -> list[bytes]:
         """Request bodies, rendered before the clock starts; distinct user turns."""
@@ -86,6 +87,7 @@ class Workload:
             ],
             "max_tokens": self.max_tokens,
             "stream": self.stream,
+            **({"stub_token_interval_ms": self.interval_ms} if self.interval_ms else {}),
         }
 
     def complete(self, raw: bytes) -> bool:
@@ -97,6 +99,9 @@ class Workload:
 
 NON_STREAMED = Workload("non-streamed", 16, False)
 STREAMED = Workload("streamed", 64, True)
+# Tokens one at a time, as vLLM decodes them: every token is its own read and write in the
+# proxy (the stub above writes all 64 at once, which a proxy reads in a few large chunks).
+PACED = Workload("paced-stream", 64, True, interval_ms=2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,8 +449,10 @@ def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, objec
     s_lo, s_hi = min(args.stream_concurrency), max(args.stream_concurrency)
     direct = by[(NON_STREAMED.name, c_lo, "direct")]
     direct_s = by[(STREAMED.name, s_lo, "direct")]
+    p_hi = max(args.paced_concurrency, default=None)
     rows = []
     for name in dict.fromkeys(c.contender for c in cells):
+        paced = by.get((PACED.name, p_hi, name))
         one, many = by[(NON_STREAMED.name, c_lo, name)], by[(NON_STREAMED.name, c_hi, name)]
         s_one, s_many = by[(STREAMED.name, s_lo, name)], by[(STREAMED.name, s_hi, name)]
         rows.append({
@@ -458,6 +465,8 @@ def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, objec
             f"chunks_s_c{s_hi}": round(s_many.rate * s_many.chunks),
             "stream_cpu_ms": None if s_many.proxy_cpu_ms is None else round(s_many.proxy_cpu_ms, 3),
             "ttfb_added_ms": round(s_one.ttfb_p50_ms - direct_s.ttfb_p50_ms, 3),
+            "paced_stream_cpu_ms": None if paced is None or paced.proxy_cpu_ms is None
+            else round(paced.proxy_cpu_ms, 3),
             "errors": sum(c.errors for c in cells if c.contender == name),
         })  # fmt: skip
     return rows
@@ -480,8 +489,9 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
     head = [
         f"| contender | req/s c{c_lo} | req/s c{c_hi} (× pass-through) | P50 / P99 added at c{c_lo} "
         f"| proxy CPU ms/req (c{c_hi}) | streams/s c{s_hi} (× vllm-router) | chunks/s c{s_hi} "
-        f"| stream CPU ms/stream | TTFB added (streamed, c1) | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| stream CPU ms/stream | paced stream CPU ms/stream | TTFB added (streamed, c1) "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = str(r["contender"])
@@ -490,7 +500,8 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
             f"{ratio(name, 'passthrough', f'req_s_c{c_hi}')} "
             f"| {ms(r['p50_added_ms'])} / {ms(r['p99_added_ms'])} | {ms(r['cpu_ms_per_request'])} "
             f"| {r[f'streams_s_c{s_hi}']}{ratio(name, 'vllm-router', f'streams_s_c{s_hi}')} "
-            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
+            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} "
+            f"| {ms(r['paced_stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
             f"| {r['errors']} |"
         )
     cells_md = [
@@ -526,7 +537,9 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
         f"- Command: `{command.strip()}`",
         f"- Load: closed loop, C concurrent aiohttp clients in the driver process; non-streamed "
         f"chat with max_tokens {NON_STREAMED.max_tokens}, streamed chat of "
-        f"{STREAMED.max_tokens} chunks; a ~{len(NON_STREAMED.bodies(1)[0])}-byte body; "
+        f"{STREAMED.max_tokens} chunks written at once, and paced streams of "
+        f"{PACED.max_tokens} tokens {PACED.interval_ms:g} ms apart (at "
+        f"{', '.join(map(str, args.paced_concurrency)) or 'no'} clients); a ~{len(NON_STREAMED.bodies(1)[0])}-byte body; "
         f"{args.warmup:g} s warm-up then {args.duration:g} s measured per contender and cell, "
         f"in {args.rounds} interleaved rounds (rotating order; {RAMP_S:g} s unmeasured ramp "
         "per later slice); latency is request sent → last byte read.",
@@ -564,7 +577,7 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
             print(f"  {name}: Redis {args.trips[name]}", flush=True)
     plan = [(NON_STREAMED, c) for c in args.concurrency] + [
         (STREAMED, c) for c in args.stream_concurrency
-    ]
+    ] + [(PACED, c) for c in args.paced_concurrency]
     for workload, concurrency in plan:
         for c in await run_cells(urls, workload, concurrency, args, cpu):
             print(f"  {c.workload:13} C={c.concurrency:<3} {c.contender:20} {c.rate:7.0f} req/s  "
@@ -642,6 +655,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--stream-concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--paced-concurrency", type=int, nargs="*", default=[64],
+                        help="streams of 64 tokens 2 ms apart (none: skip)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="interleaved slices per contender")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,

@@ -247,7 +247,11 @@ def client_session(upstream: UpstreamConfig) -> aiohttp.ClientSession:
         limit_per_host=upstream.max_connections_per_replica,
         keepalive_timeout=upstream.keepalive_s,
     )
-    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # No cookie jar: one client serves every tenant's requests, and a jar would send a cookie
+    # one answer set along with everyone's requests after it (and parse each answer for them).
+    return aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+    )
 
 
 # Settings read once, when the process starts; a reload that changes them says so.

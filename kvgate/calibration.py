@@ -14,7 +14,9 @@ template, when kvgate has the model's own), `messages` the chat messages (a tool
 as one) and `prompts` the prompts of a completions call (1 for a chat). Each (model, endpoint)
 has its own terms, starting from a prior (the configured template overhead) and fitted by
 ridge regression towards that prior over exponentially decayed sufficient statistics: O(1) per
-observation, a 3×3 solve per refit (within bounds), no history kept. Every term stays within bounds, so no
+observation, a 3×3 solve per refit (within bounds), no history kept. A young fit refits on every
+observation; once it has YOUNG_FIT observations' weight, on every REFIT_EVERY-th (issue 14: the
+solve on every request was 2–3% of the proxy's CPU, and one observation in 200 barely moves it). Every term stays within bounds, so no
 odd response can move the estimate far; the estimate is rounded up.
 """
 
@@ -28,6 +30,9 @@ from dataclasses import dataclass, field
 DECAY = 0.995
 # The prior counts as this many observations; it dominates until real ones outweigh it.
 PRIOR_WEIGHT = 4.0
+# Refit on every observation until the fit weighs this many, then on every REFIT_EVERY-th.
+YOUNG_FIT = 64.0
+REFIT_EVERY = 16
 PER_MESSAGE_BOUNDS = (0.0, 64.0)
 PER_REQUEST_BOUNDS = (-8.0, 2048.0)
 
@@ -71,6 +76,7 @@ class _Fit:
     weight: float = 0.0  # decayed number of observations
     error: float = 0.0  # decayed mean of (estimate − actual) / actual, before each refit
     actual_over_estimate: float = 1.0  # decayed mean, for the one-number gauge
+    unfitted: int = 0  # observations folded in since the last refit
 
 
 class Calibration:
@@ -89,10 +95,10 @@ class Calibration:
 
     def observe(
         self, model: str, endpoint: str, features: Features, actual: int, prior: Terms
-    ) -> Terms:
-        """Fold in one request's true `prompt_tokens`; returns the refitted terms."""
+    ) -> bool:
+        """Fold in one request's true `prompt_tokens`; True when the terms were refitted."""
         if actual <= 0 or features.text_tokens < 0:
-            return self.terms(model, endpoint, prior)
+            return False
         fit = self._fits.get((model, endpoint))
         if fit is None or fit.prior != prior:  # a reload that changes the prior starts afresh
             fit = self._fits[(model, endpoint)] = _Fit(prior, self._bounded(prior))
@@ -108,8 +114,11 @@ class Calibration:
             for j in range(3):
                 fit.xx[i][j] = DECAY * fit.xx[i][j] + x[i] * x[j]
         fit.weight = DECAY * fit.weight + 1.0
-        fit.terms = self._refit(fit)
-        return fit.terms
+        fit.unfitted += 1
+        if fit.weight >= YOUNG_FIT and fit.unfitted < REFIT_EVERY:
+            return False
+        fit.terms, fit.unfitted = self._refit(fit), 0
+        return True
 
     def error(self, model: str, endpoint: str) -> float | None:
         """Recent mean of (estimate − actual) / actual: negative means under-counting."""

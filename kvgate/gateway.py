@@ -403,10 +403,10 @@ class Gateway:
             if not count.media_tokens and parsed.body.get("truncate_prompt_tokens") is None:
                 prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
                 endpoint = count.fit_name(parsed.endpoint.name.lower())
-                self.calibration.observe(
+                if self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior
-                )
-                self.export_calibration(parsed.model, endpoint)
+                ):
+                    self.export_calibration(parsed.model, endpoint)
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             if outcome.done and not outcome.upstream_failed:
                 sequences = bound.prompts * parsed.sequences

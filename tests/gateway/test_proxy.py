@@ -33,6 +33,20 @@ async def test_non_streaming_answer_is_relayed_with_request_id(stub_factory, gat
     assert headers["x-kvgate-replica"] == stub.url.removeprefix("http://")
 
 
+async def test_a_cookie_one_replica_set_is_never_sent_with_anyone_elses_request(
+    stub_factory, gateway_factory
+):
+    # kvgate's pooled client serves every client: a cookie jar would carry one client's
+    # session cookie into the next client's requests.
+    # (by name: aiohttp's default jar ignores cookies from IP addresses, not from a Service)
+    stub = await stub_factory(set_cookie="session=alice; Path=/")
+    gw = await gateway_factory(gateway_config([stub.url.replace("127.0.0.1", "localhost")]))
+    for _ in range(2):
+        status, _, _ = await post(f"{gw.url}/v1/chat/completions", CHAT)
+        assert status == 200
+    assert [h.get("cookie") for h in stub.headers_seen] == [None, None]
+
+
 async def test_request_id_is_generated_when_absent(stub_factory, gateway_factory):
     stub = await stub_factory()
     gw = await gateway_factory(gateway_config([stub.url]))

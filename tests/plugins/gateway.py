@@ -41,6 +41,7 @@ class StubUpstream:
     drop_after_chunks: int | None = None
     # Answer a non-streamed call 200 with exactly these bytes (e.g. invalid JSON).
     raw_body: bytes | None = None
+    set_cookie: str | None = None  # a Set-Cookie header on every answer
     received: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
@@ -49,7 +50,7 @@ class StubUpstream:
     runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._cookies])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -76,6 +77,13 @@ class StubUpstream:
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.model}"}} 0.25\n'
         )
         return web.Response(text=text)
+
+    @web.middleware
+    async def _cookies(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        response: web.StreamResponse = await handler(request)
+        if self.set_cookie is not None and not response.prepared:
+            response.headers["Set-Cookie"] = self.set_cookie
+        return response
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

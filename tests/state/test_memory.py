@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.state.base import BucketLimit
 from kvgate.state.memory import MemoryStore
@@ -114,3 +118,44 @@ async def test_live_bindings_are_bounded_and_the_least_recently_bound_goes_first
     for i in range(1000):
         await store.bind(f"invented-{i}", "r1", 1800.0)
     assert len(store._bindings) == 3
+
+
+@given(st.lists(st.tuples(
+    st.sampled_from(["acquire", "release", "renew", "wait"]),
+    st.sampled_from(["a", "b", "c", "d"]),
+    st.integers(1, 6),
+    st.sampled_from([0.5, 1.0, 2.0, 3.0]),
+), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_held_matches_a_scan_of_the_live_leases_through_renewals_and_expiry(
+    ops: list[tuple[str, str, int, float]],
+) -> None:
+    # The store keeps a running total and an expiry heap instead of scanning every lease on
+    # every call; a plain model that scans must agree after every step, ties included.
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
+    model: dict[str, tuple[int, float]] = {}  # lease id -> (amount, expires_at)
+
+    def live() -> dict[str, tuple[int, float]]:
+        return {k: v for k, v in model.items() if v[1] > clock.now}
+
+    async def run() -> None:
+        for op, lease, amount, seconds in ops:
+            alive = live()
+            if op == "acquire":
+                fits = sum(a for k, (a, _) in alive.items() if k != lease) + amount <= 10
+                assert await store.try_acquire("pool", lease, amount, 10, seconds) == fits
+                if fits:
+                    model[lease] = (amount, clock.now + seconds)
+            elif op == "release":
+                assert await store.release("pool", lease) == alive.get(lease, (0, 0))[0]
+                model.pop(lease, None)
+            elif op == "renew":
+                assert await store.renew("pool", [lease], seconds) == (lease in alive)
+                if lease in alive:
+                    model[lease] = (alive[lease][0], clock.now + seconds)
+            else:
+                clock.now += seconds
+            assert await store.held("pool") == sum(a for a, _ in live().values())
+
+    asyncio.run(run())
