@@ -14,6 +14,8 @@ Starts, each in its own process(es) on 127.0.0.1:
                         access log, normalization when the build has it; memory store
       kvgate-all-redis  the same on the Redis store (REDIS_URL, default redis://127.0.0.1:6379)
       kvgate-all-redis-2w  the same with `--workers 2` (both cores; not pinned)
+      kvgate-all-memory-16r  all features on the memory store, with 16 replicas (the one stub
+                        under 16 names): what a request's routing costs as the fleet grows
 Then drives every contender with the same aiohttp client from this process: non-streamed chat
 (max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
 of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
@@ -64,7 +66,7 @@ REQUEST_TIMEOUT_S = 10.0
 RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
-              "kvgate-all-redis", "kvgate-all-redis-2w")  # fmt: skip
+              "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,13 +248,17 @@ http {{
     return path
 
 
-def kvgate_all_config(port: int, stub: str, redis_prefix: str | None) -> dict[str, object]:
+def kvgate_all_config(
+    port: int, stub: str, redis_prefix: str | None, replicas: int = 1
+) -> dict[str, object]:
     """Every feature on: one tenant in api_key mode with limits far above the load (so each
     request pays for every check without being refused), admission, sessions and prefix
     routing (defaults), the access log; normalization when this build has it."""
     tree: dict[str, object] = {
         "server": {"host": "127.0.0.1", "port": port, "access_log": True},
-        "pools": {"default": {"replicas": [{"url": stub}]}},
+        "pools": {"default": {"replicas": [{"url": stub}] if replicas == 1 else [
+            {"url": stub, "name": f"replica-{i}"} for i in range(replicas)
+        ]}},
         "auth": {"mode": "api_key"},
         "tenants": [{
             "name": "bench", "api_key_sha256": [hashlib.sha256(API_KEY.encode()).hexdigest()],
@@ -318,7 +324,7 @@ async def start_servers(
         else:
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
             path = children.logs / f"{name}.yaml"
-            tree = kvgate_all_config(port, stub, prefix)
+            tree = kvgate_all_config(port, stub, prefix, 16 if kind.endswith("-16r") else 1)
             if base and ab and not (Path(ab) / "kvgate" / "normalize").exists():
                 tree.pop("normalization", None)
             path.write_text(yaml.safe_dump(tree))
