@@ -32,6 +32,7 @@ class _Held:
     since: float
     max_age_s: float | None
     on_stale: Callable[[], Awaitable[object]] | None
+    kind: str
 
 
 class LeaseKeeper:
@@ -58,8 +59,11 @@ class LeaseKeeper:
         *,
         max_age_s: float | None = None,
         on_stale: Callable[[], Awaitable[object]] | None = None,
+        kind: str | None = None,
     ) -> None:
-        held = _Held(self._clock(), max_age_s, on_stale)
+        """`kind` names the lease in the dropped-leases metric; by default the pool name's
+        first word (`ledger:<replica>` → ledger)."""
+        held = _Held(self._clock(), max_age_s, on_stale, kind or pool.partition(":")[0])
         self._live.setdefault(pool, {})[lease_id] = held
 
     def discard(self, pool: str, lease_id: str) -> None:
@@ -103,7 +107,7 @@ class LeaseKeeper:
             )
             self.discard(pool, lease_id)
             if self._on_dropped is not None:
-                self._on_dropped(pool.partition(":")[0])
+                self._on_dropped(held.kind)
             try:
                 if held.on_stale is not None:
                     await finish(held.on_stale())

@@ -3,9 +3,12 @@
 Budgets are charged in tokens, not requests: at admission a request is charged its worst case
 (prompt + max_tokens) and one request; when it ends the charge is settled to what vLLM reports
 it used (the unused part refunded, an undercount charged), and a request that failed before
-its first token is refunded whole. Each step is one atomic state-store call, so several kvgate
-instances on one Redis enforce one limit. A tenant's concurrent requests are leases, so a
-crashed instance's count comes back by itself.
+its first token is refunded whole. Each step is one atomic state-store call (`charge`,
+`settle`), so several kvgate instances on one Redis enforce one limit. A tenant's concurrent
+requests are leases, so a crashed instance's count comes back by itself.
+
+A tenant's names in the store share one name group, `tenant:<name>/...` (kvgate/state/base.py),
+so one step can touch its concurrency pool and both buckets (one Redis Cluster slot).
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ from kvgate.config import AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, OverBudget, Unauthorized
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
-from kvgate.protect import acquire, finish, together
-from kvgate.state.base import BucketLimit, BucketState, StateStore, StateStoreError
+from kvgate.protect import acquire, finish
+from kvgate.state.base import (
+    BucketCorrection,
+    BucketLimit,
+    BucketState,
+    BucketTake,
+    Charged,
+    LeaseHold,
+    StateStore,
+    StateStoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,27 +124,24 @@ class Charge:
 
 @dataclass(slots=True)
 class ConcurrencySlot:
-    """One of a tenant's `max_concurrent` requests: a lease in `concurrency:<tenant>`."""
+    """One of a tenant's `max_concurrent` requests: a lease in `tenant:<name>/concurrency`."""
 
-    pool: str
-    lease_id: str
-    limit: int
-    ttl_s: float
+    lease: LeaseHold
     held: bool = False
 
 
 class Budgets:
     """Charges and settles tenants' budgets in `store`.
 
-    A tenant's concurrent requests are leases in `concurrency:<tenant>`. With a `keeper` (the
-    one that renews the ledger's leases) they last `keeper.ttl_s` and are renewed while the
-    request runs, so a killed instance's count comes back within that TTL; without one they
-    last CONCURRENCY_TTL_S unrenewed (a request running longer than that stops counting).
+    A tenant's concurrent requests are leases in `tenant:<name>/concurrency`. With a `keeper`
+    (the one that renews the ledger's leases) they last `keeper.ttl_s` and are renewed while
+    the request runs, so a killed instance's count comes back within that TTL; without one
+    they last CONCURRENCY_TTL_S unrenewed (a request running longer than that stops counting).
 
-    Round trips (issue 14): the three holds of a charge — the concurrency lease, one request
-    and the worst case in tokens — are taken together (one pipeline with the Redis store),
-    each still one atomic script; when one is refused, the others are given back. Settling
-    corrects the tokens and frees the concurrency slot together too.
+    Store calls (issue 14): a charge — the concurrency lease, one request and the worst case in
+    tokens — is one composite step that holds all three or nothing, so a refusal leaves nothing
+    to give back; settling (the token correction and the lease's release) is one more, and so
+    is giving everything back when the request never ran.
     """
 
     def __init__(
@@ -160,26 +169,21 @@ class Budgets:
         charge = Charge(tenant, worst_tokens)
         if tenant.max_concurrent is not None:
             ttl_s = self.keeper.ttl_s if self.keeper is not None else CONCURRENCY_TTL_S
-            charge.slot = ConcurrencySlot(
-                f"concurrency:{tenant.name}", os.urandom(12).hex(), tenant.max_concurrent, ttl_s
-            )
-
-        async def give_back(_: None = None) -> None:
-            async with _settling(charge):
-                await self._refund(charge, worst_tokens, tpm)
+            charge.slot = ConcurrencySlot(LeaseHold(
+                tenant_key(tenant.name, "concurrency"), os.urandom(12).hex(), 1,
+                tenant.max_concurrent, ttl_s,
+            ))  # fmt: skip
 
         async def give_all_back(_: None = None) -> None:
-            for outcome in await together(give_back(), self._free(charge)):
-                if isinstance(outcome, BaseException):
-                    raise outcome
+            await self._settle(charge, refund=worst_tokens)
 
         started = time.monotonic()
         await acquire(self._take(charge, rpm, tpm), give_all_back)
         slot = charge.slot
         if slot is not None and self.keeper is not None:
             self.keeper.add(
-                slot.pool, slot.lease_id, max_age_s=max_hold_s,
-                on_stale=lambda: self._free(charge),
+                slot.lease.pool, slot.lease.lease_id, max_age_s=max_hold_s,
+                on_stale=lambda: self._free(charge), kind="concurrency",
             )
         gauge = self.metrics.tenant_concurrency.labels(tenant.name)
         gauge.inc()
@@ -192,116 +196,119 @@ class Budgets:
                 charge.settled = True
                 await finish(give_all_back())
             else:
-                await finish(self._free(charge))  # settled: freed already, unless that failed
+                await finish(self._free(charge))  # settled: freed already, unless dropped
 
     async def settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
         """Correct the charge to actual usage (refund the unused part or charge the excess)
-        and free the tenant's concurrency slot: the request is over. Runs to its end whatever
-        cancellation arrives meanwhile."""
+        and free the tenant's concurrency slot, in one store call: the request is over. Runs
+        to its end whatever cancellation arrives meanwhile."""
         if charge.settled:
             return
         charge.settled = True
-        for outcome in await finish(together(
-            self._settle(charge, prompt_tokens, completion_tokens), self._free(charge)
-        )):  # fmt: skip
-            if isinstance(outcome, BaseException):
-                raise outcome
-
-    async def _settle(self, charge: Charge, prompt_tokens: int, completion_tokens: int) -> None:
-        tpm, _ = _limits(charge.tenant)
         name = charge.tenant.name
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt_tokens)
         self.metrics.tenant_tokens.labels(name, "completion").inc(completion_tokens)
-        delta = charge.reserved_tokens - (prompt_tokens + completion_tokens)
-        async with _settling(charge):
-            if delta > 0:
-                await self._refund(charge, delta, tpm)
-            elif delta < 0 and tpm is not None:
-                state = await self.store.take(_bucket(name, "tokens"), -delta, tpm, force=True)
-                self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
+        await finish(self._settle(
+            charge, refund=charge.reserved_tokens - (prompt_tokens + completion_tokens)
+        ))  # fmt: skip
 
-    async def _refund(self, charge: Charge, tokens: int, tpm: BucketLimit | None) -> None:
+    async def _settle(self, charge: Charge, refund: int) -> None:
+        """One store call: put back `refund` tokens (take -refund by force when negative:
+        the request used more than reserved) and release the concurrency lease. A store
+        failure then must not turn an answer the client already has into an error: the
+        charge stays as reserved (the tenant pays the worst case for this request) and the
+        lease expires by its TTL, which is logged."""
+        tpm, _ = _limits(charge.tenant)
         name = charge.tenant.name
-        self.metrics.tenant_tokens.labels(name, "refunded").inc(tokens)
-        if tpm is not None and tokens > 0:
-            state = await self.store.put_back(_bucket(name, "tokens"), tokens, tpm)
-            self.metrics.tenant_remaining_tokens.labels(name).set(state.remaining)
+        if refund > 0:
+            self.metrics.tenant_tokens.labels(name, "refunded").inc(refund)
+        corrections = []
+        if tpm is not None and refund != 0:
+            corrections.append(BucketCorrection(tenant_key(name, "tokens"), refund, tpm))
+        release = self._let_go(charge)
+        if release is None and not corrections:
+            return
+        try:
+            settled = await self.store.settle(release, corrections)
+        except (StateStoreError, KvgateError) as exc:
+            log.warning("could not settle tenant %s's charge (it stays as reserved; the "
+                        "concurrency lease expires by TTL): %s", name, exc)
+            return
+        if settled.buckets:
+            self.metrics.tenant_remaining_tokens.labels(name).set(settled.buckets[0].remaining)
 
     async def _take(
         self, charge: Charge, rpm: BucketLimit | None, tpm: BucketLimit | None
     ) -> None:
-        """Take the concurrency slot, one request and the worst case in tokens, all at once.
-        Refused (concurrency first, then requests, then tokens, as the 429 says) or failed:
-        what was taken is given back before the error goes on."""
+        """Take the concurrency slot, one request and the worst case in tokens: all of them
+        in one store call, or none. Refused: the first to refuse, in the order concurrency,
+        requests, tokens, is the 429, whose headers show the buckets untouched."""
         tenant, slot = charge.tenant, charge.slot
         name = tenant.name
-        held, requests, tokens = await together(
-            None if slot is None else self.store.try_acquire(
-                slot.pool, slot.lease_id, 1, slot.limit, slot.ttl_s
-            ),
-            None if rpm is None else self.store.take(_bucket(name, "requests"), 1, rpm),
-            None if tpm is None else self.store.take(
-                _bucket(name, "tokens"), charge.reserved_tokens, tpm
-            ),
-        )  # fmt: skip
-        if slot is not None and held is True:
-            slot.held = True
-        took_request = isinstance(requests, BucketState) and requests.allowed
-        took_tokens = isinstance(tokens, BucketState) and tokens.allowed
-        failure = next((r for r in (held, requests, tokens) if isinstance(r, BaseException)), None)
-        refusal: OverBudget | None = None
-        if failure is None and slot is not None and not slot.held:
+        takes = []
+        if rpm is not None:
+            takes.append(BucketTake(tenant_key(name, "requests"), 1, rpm))
+        if tpm is not None:
+            takes.append(BucketTake(tenant_key(name, "tokens"), charge.reserved_tokens, tpm))
+        lease = None if slot is None else slot.lease
+        charged = (
+            await self.store.charge(lease, takes) if lease or takes else Charged(True, ())
+        )
+        states = iter(charged.buckets)
+        requests = None if rpm is None else next(states)
+        tokens = None if tpm is None else next(states)
+        headers = rate_limit_headers(rpm, requests, tpm, tokens)
+        if charged.granted:
+            if slot is not None:
+                slot.held = True
+            if tokens is not None:
+                self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
+            self.metrics.tenant_tokens.labels(name, "reserved").inc(charge.reserved_tokens)
+            charge.headers = headers
+            return
+        if slot is not None and not charged.lease_fits:
             refusal = OverBudget(
-                f"tenant {name!r} already has {slot.limit} requests in flight",
-                limit="concurrency", retry_after_s=self._next_release_s(name, slot.limit),
+                f"tenant {name!r} already has {slot.lease.limit} requests in flight",
+                limit="concurrency",
+                retry_after_s=self._next_release_s(name, slot.lease.limit),
             )
-        elif failure is None and isinstance(requests, BucketState) and not requests.allowed:
+        elif requests is not None and not requests.allowed:
             refusal = OverBudget(
                 f"tenant {name!r} is over its {rpm and rpm.capacity} requests per minute",
                 limit="requests", retry_after_s=requests.retry_after_s,
             )
-        elif failure is None and isinstance(tokens, BucketState) and not tokens.allowed:
+        else:
+            assert tokens is not None and not tokens.allowed
             refusal = OverBudget(
                 f"tenant {name!r} is over its {tpm and tpm.capacity} tokens per minute: this "
                 f"request may use {charge.reserved_tokens} and {max(0, tokens.remaining)} "
                 "are left",
                 limit="tokens", retry_after_s=tokens.retry_after_s,
             )
-        if failure is None and refusal is None:
-            if isinstance(tokens, BucketState):
-                self.metrics.tenant_remaining_tokens.labels(name).set(tokens.remaining)
-            self.metrics.tenant_tokens.labels(name, "reserved").inc(charge.reserved_tokens)
-            charge.headers = rate_limit_headers(rpm, _state(requests), tpm, _state(tokens))
-            return
-        # give back what was taken; the 429 shows the buckets as they are then
-        requests_back, tokens_back, _ = await together(
-            self.store.put_back(_bucket(name, "requests"), 1, rpm) if rpm and took_request else None,
-            self.store.put_back(
-                _bucket(name, "tokens"), charge.reserved_tokens, tpm
-            ) if tpm and took_tokens else None,
-            self._free(charge),
-        )  # fmt: skip
-        if failure is not None:
-            raise failure
-        assert refusal is not None
-        if refusal.type == "concurrency":
-            refusal.headers.update(await self._current_headers(tenant))
-        else:
-            refusal.headers.update(rate_limit_headers(
-                rpm, _state(requests_back) or _state(requests),
-                tpm, _state(tokens_back) or _state(tokens),
-            ))  # fmt: skip
+        refusal.headers.update(headers)
         raise refusal
 
-    async def _free(self, charge: Charge) -> None:
-        """Give the concurrency slot back (once; a no-op when there is none or it is free)."""
+    def _let_go(self, charge: Charge) -> LeaseHold | None:
+        """The concurrency lease to release, once: None when there is none or it is free
+        already (the keeper stops renewing it here)."""
         slot = charge.slot
         if slot is None or not slot.held:
-            return
+            return None
         slot.held = False
         if self.keeper is not None:
-            self.keeper.discard(slot.pool, slot.lease_id)
-        await self._release_lease(charge.tenant, slot.pool, slot.lease_id)
+            self.keeper.discard(slot.lease.pool, slot.lease.lease_id)
+        return slot.lease
+
+    async def _free(self, charge: Charge) -> None:
+        """Give the concurrency slot back alone (a lease the keeper found stale)."""
+        lease = self._let_go(charge)
+        if lease is None:
+            return
+        try:
+            await self.store.release(lease.pool, lease.lease_id)
+        except (StateStoreError, KvgateError) as exc:
+            log.warning("could not release %s's concurrency lease (expires by TTL): %s",
+                        charge.tenant.name, exc)
 
     def _observe_duration(self, tenant: str, seconds: float) -> None:
         mean = self._durations.get(tenant)
@@ -313,42 +320,6 @@ class Budgets:
         mean = self._durations.get(tenant)
         return 1.0 if mean is None else min(60.0, max(0.05, mean / limit))
 
-    async def _current_headers(self, tenant: TenantConfig) -> dict[str, str]:
-        """The x-ratelimit-* headers as the buckets stand, without taking anything."""
-        tpm, rpm = _limits(tenant)
-        try:
-            requests = None if rpm is None else await self.store.peek(
-                _bucket(tenant.name, "requests"), rpm
-            )
-            tokens = None if tpm is None else await self.store.peek(
-                _bucket(tenant.name, "tokens"), tpm
-            )
-        except (StateStoreError, KvgateError):
-            return {}
-        return rate_limit_headers(rpm, requests, tpm, tokens)
-
-    async def _release_lease(self, tenant: TenantConfig, pool: str, lease: str) -> None:
-        try:
-            await self.store.release(pool, lease)
-        except (StateStoreError, KvgateError) as exc:
-            log.warning("could not release %s's concurrency lease (expires by TTL): %s",
-                        tenant.name, exc)
-
-
-@contextlib.asynccontextmanager
-async def _settling(charge: Charge) -> AsyncIterator[None]:
-    """Settling happens as a request ends: a store failure then must not turn an answer the
-    client already has into an error. The charge stays as reserved (the tenant pays the worst
-    case for this request), which is logged."""
-    try:
-        yield
-    except (StateStoreError, KvgateError) as exc:
-        log.warning("could not settle tenant %s's charge: %s", charge.tenant.name, exc)
-
-
-def _state(value: object) -> BucketState | None:
-    return value if isinstance(value, BucketState) else None
-
 
 def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | None]:
     tpm = BucketLimit(tenant.tokens_per_minute) if tenant.tokens_per_minute else None
@@ -356,8 +327,10 @@ def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | Non
     return tpm, rpm
 
 
-def _bucket(tenant: str, kind: str) -> str:
-    return f"budget:{tenant}:{kind}"
+def tenant_key(tenant: str, kind: str) -> str:
+    """A tenant's pool or bucket in the state store: `concurrency`, `requests` or `tokens`,
+    all in the tenant's name group, so one step can take them together."""
+    return f"tenant:{tenant}/{kind}"
 
 
 def rate_limit_headers(

@@ -13,6 +13,7 @@ import random
 from typing import Any
 
 from kvgate.state.base import StateStore
+from kvgate.tenants import tenant_key
 from tests.accounting.clients import hang_up_at_done
 from tests.plugins.gateway import gateway_config, wait_settled
 
@@ -56,4 +57,4 @@ async def test_hanging_up_at_done_hundreds_of_times_leaves_every_ledger_at_zero(
     assert admission.keeper.live_leases() == 0
     for replica in gw.gateway.registry:
         assert admission.reserved.get(replica.id, 0) == 0
-    assert await store.held("concurrency:team") == 0
+    assert await store.held(tenant_key("team", "concurrency")) == 0

@@ -20,11 +20,12 @@ from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
 from kvgate.replicas import Replica
 from kvgate.state.memory import MemoryStore
-from kvgate.tenants import Budgets
+from kvgate.tenants import Budgets, tenant_key
 
 
 class SlowReleases(MemoryStore):
-    """A memory store whose releases and refunds take `delay_s`, and that says when one starts."""
+    """A memory store whose releases, refunds and settlements take `delay_s`, and that says
+    when one starts."""
 
     def __init__(self, delay_s: float = 0.05) -> None:
         super().__init__()
@@ -40,6 +41,11 @@ class SlowReleases(MemoryStore):
         self.releasing.set()
         await asyncio.sleep(self.delay_s)
         return await super().put_back(bucket, amount, limit)
+
+    async def settle(self, release: Any, corrections: Any) -> Any:
+        self.releasing.set()
+        await asyncio.sleep(self.delay_s)
+        return await super().settle(release, corrections)
 
 
 def replica(name: str = "a", blocks: int = 100) -> Replica:
@@ -136,9 +142,9 @@ async def test_a_second_cancellation_during_the_budget_refund_still_frees_the_co
 
     task = asyncio.create_task(request())
     await cancel_twice_while_releasing(task, store)
-    assert await store.held("concurrency:team") == 0
+    assert await store.held(tenant_key("team", "concurrency")) == 0
     assert budgets.keeper is not None and budgets.keeper.live_leases() == 0
-    state = await store.peek("budget:team:tokens", budgets_limit(tenant))
+    state = await store.peek(tenant_key("team", "tokens"), budgets_limit(tenant))
     assert state.remaining == 10_000
 
 
@@ -170,3 +176,20 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
     assert dropped == ["ledger"]
     assert await store.held(ledger_key(r.id)) == 0
     assert len(gate.prefixes) == 0 and keeper.live_leases() == 0
+
+
+async def test_a_tenants_concurrency_lease_held_too_long_is_dropped_as_concurrency():
+    now = [0.0]
+    store = MemoryStore()
+    dropped: list[str] = []
+    keeper = LeaseKeeper(store, 30.0, on_dropped=dropped.append, clock=lambda: now[0])
+    budgets = Budgets(store, Metrics(), keeper)
+    tenant = TenantConfig(name="team", max_concurrent=2, tokens_per_minute=10_000)
+    forgotten = budgets.charge(tenant, 1000, max_hold_s=60.0)
+    await forgotten.__aenter__()
+    assert await store.held(tenant_key("team", "concurrency")) == 1
+
+    now[0] = 61.0
+    assert await keeper.drop_stale() == 1
+    assert dropped == ["concurrency"]
+    assert await store.held(tenant_key("team", "concurrency")) == 0

@@ -22,6 +22,7 @@ from kvgate.app import build_app
 from kvgate.config import Config, parse_config
 from kvgate.gateway import Gateway
 from kvgate.state.base import StateStore
+from kvgate.tenants import tenant_key
 
 
 @dataclass
@@ -262,7 +263,7 @@ async def wait_released(gw: RunningGateway, timeout_s: float = 10.0) -> None:
     while True:
         # the queue's length has no public reader; the gauge lags by up to a second
         queued = {p: len(gateway.admission._pool(p).queue) for p in gateway.admission.pools()}
-        running = {t: await gateway.store.held(f"concurrency:{t}") for t in sorted(tenants)}
+        running = {t: await gateway.store.held(tenant_key(t, "concurrency")) for t in sorted(tenants)}
         if not any(queued.values()) and not any(running.values()):
             return
         if time.monotonic() > deadline:

@@ -12,6 +12,7 @@ from redis.crc import key_slot
 
 from kvgate.state.base import BucketCorrection, BucketLimit, BucketTake, LeaseHold, StateStoreError
 from kvgate.state.redis import RedisStore
+from kvgate.tenants import tenant_key
 from tests.plugins.redis_server import PrivateRedis, free_port
 
 pytestmark = pytest.mark.redis
@@ -135,6 +136,27 @@ async def test_a_charge_writes_only_its_keys_in_one_slot(
     ])  # fmt: skip
     assert settled.released == 1
     assert [key async for key in client.scan_iter(match=f"{{{key_prefix}:*")] == []
+
+
+def tenant_keys(store: RedisStore, tenant: str) -> list[str]:
+    return [
+        *store.lease_keys(tenant_key(tenant, "concurrency")),
+        store.bucket_key(tenant_key(tenant, "requests")),
+        store.bucket_key(tenant_key(tenant, "tokens")),
+    ]
+
+
+@pytest.mark.parametrize("tenant", ["team", "a/b", "odd}name", "{x}", "with:colon", ""])
+async def test_a_tenants_pool_and_buckets_share_one_cluster_slot(
+    redis_store: RedisStore, tenant: str
+) -> None:
+    """One charge script touches all five keys: Redis Cluster runs it only if they share a
+    slot (CRC16 of the hash tag)."""
+    keys = tenant_keys(redis_store, tenant)
+    assert len(set(keys)) == 5
+    assert len({key_slot(key.encode()) for key in keys}) == 1
+    # and they are not the keys of another tenant
+    assert not set(keys) & set(tenant_keys(redis_store, tenant + "2"))
 
 
 async def test_every_key_expires_by_itself(

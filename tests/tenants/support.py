@@ -12,6 +12,8 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.tenants import tenant_key
+
 MODEL = "stub-model"
 
 
@@ -83,12 +85,12 @@ async def eventually(
 
 def tokens_bucket(tenant: str) -> str:
     """The state-store key of a tenant's tokens-per-minute bucket (kvgate.tenants names it)."""
-    return f"budget:{tenant}:tokens"
+    return tenant_key(tenant, "tokens")
 
 
 def concurrency_pool(tenant: str) -> str:
     """The state-store lease pool of a tenant's concurrent requests."""
-    return f"concurrency:{tenant}"
+    return tenant_key(tenant, "concurrency")
 
 
 RATE_LIMIT_HEADERS = tuple(
