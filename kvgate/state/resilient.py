@@ -25,7 +25,8 @@ over-admit on recovery.
 
 The composite steps follow the same rules as the calls they combine: a `charge` goes to the
 primary with the lease's limit less the fallback's units of that pool, and when served by the
-fallback records its lease and bucket use there; a `settle` whose lease the fallback holds
+fallback records its lease and bucket use there (a charge that re-acquires a fallback-held
+lease is served there whole, and its bucket use reconciled at once when the primary is up); a `settle` whose lease the fallback holds
 releases it in the fallback, and its corrections go wherever corrections go now (the primary
 when up), so the step is then two calls, one of them local.
 """
@@ -236,7 +237,12 @@ class ResilientStore:
             return charged
 
         if lease is not None and self._in_fallback(lease.pool, lease.lease_id):
-            return await in_fallback()  # re-acquiring a lease the fallback holds
+            # Re-acquiring a lease the fallback holds: the whole step stays there, atomic;
+            # with the primary up, its bucket use is charged to the shared buckets at once.
+            charged = await in_fallback()
+            if self.up:
+                self._reconcile_soon()
+            return charged
         shared = lease
         if lease is not None:
             local = await self._fallback_held(lease.pool)
@@ -366,6 +372,9 @@ class ResilientStore:
             duration,
             self.fallback_calls - self._fallback_calls_at_outage,
         )
+        self._reconcile_soon()
+
+    def _reconcile_soon(self) -> None:
         if self._unreconciled and (self._reconciling is None or self._reconciling.done()):
             self._reconciling = asyncio.get_running_loop().create_task(self._reconcile())
 

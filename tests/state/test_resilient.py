@@ -308,3 +308,23 @@ async def test_fail_open_reconciles_what_local_charges_used_less_local_refunds(
     assert store.reconciled_units == 25 + 1  # tokens, and the one request
     assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 75
     assert (await shared_view.peek(REQUESTS, LIMIT)).remaining == 99
+
+
+async def test_re_acquiring_a_fallback_lease_after_recovery_charges_the_shared_buckets(
+    make_store: StoreFactory, private_redis: PrivateRedis, shared_view: RedisStore
+) -> None:
+    """The lease stays where it is held, and the buckets' use still reaches Redis."""
+    store = make_store("fail_open")
+    await private_redis.stop()
+    assert (await store.charge(hold("a", limit=3), [])).granted
+    await private_redis.start()
+    await wait_until_up(store)
+    again = await store.charge(LeaseHold(POOL, "a", 2, 3, ttl_s=30), takes(20))
+    assert again.granted
+    assert await store.held(POOL) == 2 and await shared_view.held(POOL) == 0
+    for _ in range(100):
+        if store.reconciled_units:
+            break
+        await asyncio.sleep(0.02)
+    assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 80
+    assert (await store.settle(hold("a"), [])).released == 2
