@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from kvgate.config import AdmissionConfig
+from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
@@ -36,7 +36,7 @@ from kvgate.ledger import Ledger
 from kvgate.metrics import Metrics
 from kvgate.overcommit import Overcommit
 from kvgate.protect import finish
-from kvgate.queue import FairQueue, Ticket
+from kvgate.queue import Ticket
 from kvgate.replicas import Replica
 from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
 from kvgate.routing.router import Ranking
@@ -56,31 +56,21 @@ Ranker = Callable[[float], Awaitable[Ranking]]
 
 
 class Admission:
+    """Reads the config in force (`current`) whenever it needs a setting: the depth of a
+    pool's queue, the scrapes' age limit, the ledger's bounds."""
+
     def __init__(
-        self,
-        store: StateStore,
-        metrics: Metrics,
-        config: Callable[[], AdmissionConfig],
-        keeper: LeaseKeeper,
-        stale_after_s: Callable[[], float],
+        self, store: StateStore, metrics: Metrics, current: CurrentConfig, keeper: LeaseKeeper
     ) -> None:
         self.store = store
         self.metrics = metrics
-        self.config = config
+        self.current = current
         self.keeper = keeper
-        self.stale_after_s = stale_after_s
         self._pools: dict[str, PoolQueue] = {}
         self.ledger = Ledger(store, keeper, metrics)
         self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
-
-    def configure(self, config: AdmissionConfig) -> None:
-        """A reload: queues take the new depth (a shorter one sheds nobody already waiting;
-        it refuses newcomers until it drains below), leases the new TTL."""
-        for pool in self._pools.values():
-            pool.queue.max_depth = config.queue.max_depth
-        self.keeper.ttl_s = config.lease_ttl_s
 
     def snapshot(
         self, replicas: Iterable[Replica], circuit: Callable[[str], str] = lambda _: "closed"
@@ -88,8 +78,8 @@ class Admission:
         """The replicas as they stand now, with this ledger's figures."""
         return take_snapshot(
             replicas,
-            config=self.config(),
-            stale_after_s=self.stale_after_s(),
+            config=self.current().admission,
+            stale_after_s=self.current().discovery.stale_after_s,
             reserved=self.reserved,
             shared_prefix_blocks=self.prefixes.held_blocks,
             circuit=circuit,
@@ -109,14 +99,14 @@ class Admission:
     def _pool(self, name: str) -> PoolQueue:
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = PoolQueue(FairQueue(self.config().queue.max_depth))
+            pool = self._pools[name] = PoolQueue()
         return pool
 
     @contextlib.asynccontextmanager
     async def admit(self, demand: Demand, rank: Ranker) -> AsyncIterator[Slot]:
         """Reserve the demand on the first replica of its ranking with room, now or from the
         queue (ranked again on every attempt)."""
-        config = self.config()
+        config = self.current().admission
         started = time.monotonic()
         ranking = await rank(0.0)
         candidates = [v.replica for v in ranking.replicas]
@@ -213,13 +203,14 @@ class Admission:
         future: asyncio.Future[Slot] = loop.create_future()
         waiter = Waiter(demand, rank, future, ranking, started)
         ticket = Ticket(demand.tenant, demand.priority, started, waiter)
-        refused = pool.queue.push(ticket)
+        max_depth = config.queue.max_depth  # a lower one after a reload sheds nobody queued
+        refused = pool.queue.push(ticket, max_depth)
         if refused is ticket:
-            raise self._queue_full_error(demand.pool, config)
+            raise self._queue_full_error(demand.pool, max_depth)
         if refused is not None:
             shed: Waiter = refused.payload
             if not shed.future.done():
-                shed.future.set_exception(self._queue_full_error(demand.pool, config))
+                shed.future.set_exception(self._queue_full_error(demand.pool, max_depth))
         budget = config.queue.budget(demand.priority)
         expected = self.expected_wait(pool, ticket, config)
         if expected is not None and expected > budget:
@@ -296,7 +287,7 @@ class Admission:
         budget (so large requests still make progress). Requests for other replicas go on.
         Within a pass, once a request of n blocks did not fit on a set of replicas, larger
         ones for the same set are not tried."""
-        config = self.config()
+        config = self.current().admission
         now = time.monotonic()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
@@ -345,7 +336,7 @@ class Admission:
     def after_discovery(self, replicas: Iterable[Replica]) -> None:
         """A discovery round brought fresh scrapes: steer each replica's overcommit by them,
         then let the queues try again."""
-        stale = self.stale_after_s()
+        stale = self.current().discovery.stale_after_s
         waiting = {name for name, pool in self._pools.items() if len(pool.queue)}
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
@@ -384,15 +375,15 @@ class Admission:
 
     def retry_after(self, pool_name: str, ahead: int) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""
-        return self._pool(pool_name).retry_after(ahead, self.config().queue.max_wait_s)
+        return self._pool(pool_name).retry_after(ahead, self.current().admission.queue.max_wait_s)
 
     def p95_worst_case(self, pool_name: str) -> int | None:
         return self._pool(pool_name).p95_reservation()
 
-    def _queue_full_error(self, pool_name: str, config: AdmissionConfig) -> RateLimited:
+    def _queue_full_error(self, pool_name: str, max_depth: int) -> RateLimited:
         depth = len(self._pool(pool_name).queue)
         return RateLimited(
-            f"the queue for pool {pool_name!r} is full ({config.queue.max_depth} waiting)",
+            f"the queue for pool {pool_name!r} is full ({max_depth} waiting)",
             code="queue_full",
             retry_after_s=self.retry_after(pool_name, depth),
         )

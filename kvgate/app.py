@@ -69,26 +69,22 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
     registry = Registry()
     sync_registry(registry, config)
     store = store if store is not None else build_store(config)
+
+    def current() -> Config:  # the gateway's, built below: whatever runtime is in force then
+        return gateway.runtime.config
+
     keeper = LeaseKeeper(
-        store, config.admission.lease_ttl_s,
-        on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc(),
+        store, current, on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc()
     )
-    gateway_box: list[Gateway] = []
-
-    def current() -> Config:
-        return gateway_box[0].runtime.config
-
-    admission = Admission(
-        store, metrics, lambda: current().admission, keeper, lambda: current().discovery.stale_after_s
-    )
+    admission = Admission(store, metrics, current, keeper)
     sessions = Sessions(store, metrics)
     breakers = Breakers(
-        lambda: current().routing.circuit.failure_threshold,
-        lambda: current().routing.circuit.open_s,
+        current,
         on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
     )
     gateway = Gateway(
         runtime=Runtime(config, Directory(config.auth, config.tenants)),
+        current=current,
         registry=registry,
         catalog=catalog,
         relay=Relay(None, config.timeouts),  # its session is opened in _services
@@ -102,7 +98,6 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         sessions=sessions,
         breakers=breakers,
     )
-    gateway_box.append(gateway)
     app[GATEWAY] = gateway
     add_routes(app, admin=config.server.admin.port is None)
     app.cleanup_ctx.append(_services)
@@ -111,7 +106,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
-    config = gateway.runtime.config
+    config, current = gateway.current(), gateway.current
     session = client_session(config.upstream)
     gateway.relay.session = session
     start = getattr(gateway.store, "start", None)
@@ -119,13 +114,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await start()
     tasks = [
         _task(discovery_loop(
-            lambda: gateway.relay.session, gateway.registry,
-            lambda: gateway.runtime.config.discovery,
+            lambda: gateway.relay.session, gateway.registry, current,
             lambda: gateway.admission.after_discovery(gateway.registry),
         )),
-        _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
-        _task(watch_drains(gateway.store, gateway.registry,
-                           lambda: gateway.runtime.config.discovery.interval_s)),
+        _task(dns_loop(gateway.registry, current)),
+        _task(watch_drains(gateway.store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
@@ -209,7 +202,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                         view.kv_usage - view.written_blocks / total
                     )
         _store_gauges(gateway)
-        gateway.prompts.export(gateway.runtime.config)  # the prompt fingerprints' gauges
+        gateway.prompts.export(gateway.current())  # the prompt fingerprints' gauges
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
@@ -297,7 +290,6 @@ def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     gateway.breakers.forget({r.id for r in gateway.registry})
     gateway.calibration.low = config.calibration.min_ratio
     gateway.calibration.high = config.calibration.max_ratio
-    gateway.admission.configure(config.admission)
     tasks = app.get(TASKS)
     if config.upstream != old.upstream and gateway.relay.session is not None:
         # a new pool of connections for new requests; the old one closes once the requests

@@ -26,7 +26,7 @@ from aiohttp import web
 from kvgate.admission import Admission, Ranker
 from kvgate.calibration import Calibration, Terms
 from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_payload
-from kvgate.config import Config, ModelConfig, TenantConfig
+from kvgate.config import Config, CurrentConfig, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import (
     NeverFits,
@@ -92,7 +92,9 @@ class RequestInfo:
 
 @dataclass(slots=True)
 class Gateway:
-    runtime: Runtime
+    runtime: Runtime  # in force now: a request takes it at its start; a reload replaces it
+    # `runtime.config`, read when asked: the one way background stages read the config
+    current: CurrentConfig
     registry: Registry
     catalog: Catalog
     relay: Relay

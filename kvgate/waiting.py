@@ -48,7 +48,7 @@ class Waiter:
 
 @dataclass(slots=True)
 class PoolQueue:
-    queue: FairQueue
+    queue: FairQueue = field(default_factory=FairQueue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     releases: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     freed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=128))

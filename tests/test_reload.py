@@ -1,21 +1,25 @@
 """A reload takes effect for every section of the config, observed from outside where it can
 be; the few settings read only at start (listen address, drain time, the state store) are
-named in the reload's log line instead."""
+named in the reload's log line instead. The background stages follow the config in force."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from kvgate.app import RESTART_ONLY, reload
 from kvgate.config import Config
-from tests.plugins.gateway import RunningGateway, gateway_config
+from tests.plugins.gateway import RunningGateway, StubUpstream, gateway_config
+from tests.tenants.support import eventually
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {**CHAT, "stream": True}
 
 
 @pytest.fixture
@@ -34,6 +38,13 @@ def again(gw: RunningGateway, **sections: Any) -> Config:
     config = parse_config(tree)
     assert reload(gw.app, lambda: config) is True
     return config
+
+
+async def answer(gw: RunningGateway, body: Any) -> tuple[int, bytes, dict[str, str]]:
+    async with aiohttp.ClientSession() as http, http.post(
+        f"{gw.url}/v1/chat/completions", json=body
+    ) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
 
 
 async def post(gw: RunningGateway, body: Any, headers: dict[str, str] | None = None) -> int:
@@ -65,7 +76,6 @@ async def test_timeouts_routing_calibration_and_admission_take_effect(running):
     assert g.relay.timeouts.first_byte_s == 3
     assert set(g.router._scorers) == {"round_robin"}
     assert (g.calibration.low, g.calibration.high) == (0.9, 1.1)
-    assert g.admission._pool("default").queue.max_depth == 3
     assert g.admission.keeper.ttl_s == 9
     (view,) = g.fleet()
     assert view.admissible_blocks == 500  # 0.5 × the stub's 1,000 blocks
@@ -115,3 +125,61 @@ async def test_restart_only_settings_are_named_in_the_reload_log(running, caplog
     assert set(RESTART_ONLY) == {"server.host", "server.port", "server.drain_s", "state",
                                  "server.max_connections", "server.client_timeout_s",
                                  "server.admin.host", "server.admin.port"}
+
+
+async def _received(stub: StubUpstream, count: int) -> bool:
+    return len(stub.received) >= count
+
+
+# ---------------------------------------------------------------- background: the one in force
+
+
+async def test_a_lower_queue_depth_refuses_the_next_newcomer(stub_factory, gateway_factory):
+    stub = await stub_factory(num_gpu_blocks=10, gate=asyncio.Event())  # 160 tokens
+    gw = await gateway_factory(gateway_config(
+        [stub.url], admission={"target_utilization": 1.0, "queue": {"max_depth": 8}}
+    ))
+    body = {**STREAM, "max_tokens": 100}  # 7 of the 10 blocks: one at a time
+    running = asyncio.ensure_future(answer(gw, body))
+    await eventually(lambda: _received(stub, 1), what="the first request reached the replica")
+    waiting = asyncio.ensure_future(answer(gw, body))
+    queue = gw.gateway.admission._pool("default").queue
+    await eventually(lambda: _queued(queue, 1), what="the second request queued")
+    again(gw, admission={"target_utilization": 1.0, "queue": {"max_depth": 1}})
+    status, refused, _ = await answer(gw, body)
+    assert status == 429 and orjson.loads(refused)["error"]["code"] == "queue_full"
+    assert stub.gate is not None
+    stub.gate.set()  # nobody already queued was shed: both finish
+    assert [(await running)[0], (await waiting)[0]] == [200, 200]
+
+
+async def _queued(queue: Any, count: int) -> bool:
+    return len(queue) >= count
+
+
+async def test_leases_taken_under_a_shorter_ttl_are_renewed_in_time(stub_factory, gateway_factory):
+    stub = await stub_factory(gate=asyncio.Event())
+    gw = await gateway_factory(gateway_config([stub.url]))  # 30 s: renewed every 10 s
+    again(gw, admission={"lease_ttl_s": 1.0})
+    streaming = asyncio.ensure_future(answer(gw, STREAM))
+    await eventually(lambda: _received(stub, 1), what="the request reached the replica")
+    (replica,) = gw.gateway.registry
+    held = await gw.gateway.store.held(f"ledger:{replica.id}")
+    await asyncio.sleep(2.5)  # its lease would have expired 1 s after it was taken
+    assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
+    assert stub.gate is not None
+    stub.gate.set()
+    assert (await streaming)[0] == 200
+
+
+async def test_discovery_follows_a_shorter_interval_at_once(stub_factory, gateway_factory):
+    stub = await stub_factory()
+    gw = await gateway_factory(gateway_config([stub.url], discovery={"interval_s": 30}))
+    scraped = stub.scrapes
+    again(gw, discovery={"interval_s": 0.1})
+
+    async def scraped_again() -> bool:
+        return stub.scrapes >= scraped + 3
+
+    # the loop was 30 s from its next round; it follows the new interval within a second
+    await eventually(scraped_again, timeout_s=3.0, what="three rounds at the new interval")
