@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from kvgate.config import AdmissionConfig, CurrentConfig
+from kvgate.config import AdmissionConfig, Config, CurrentConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
@@ -56,8 +56,10 @@ Ranker = Callable[[float], Awaitable[Ranking]]
 
 
 class Admission:
-    """Reads the config in force (`current`) whenever it needs a setting: the depth of a
-    pool's queue, the scrapes' age limit, the ledger's bounds."""
+    """A request is admitted under its own config's `admission` section (`admit`'s `config`),
+    queued requests included. What every request shares follows the config in force now
+    (`current`): the depth of a pool's queue, and the scrapes' age limit for the overcommit
+    feedback after each discovery round."""
 
     def __init__(
         self, store: StateStore, metrics: Metrics, current: CurrentConfig, keeper: LeaseKeeper
@@ -73,13 +75,16 @@ class Admission:
         self.overcommit = Overcommit()
 
     def snapshot(
-        self, replicas: Iterable[Replica], circuit: Callable[[str], str] = lambda _: "closed"
+        self,
+        replicas: Iterable[Replica],
+        config: Config,
+        circuit: Callable[[str], str] = lambda _: "closed",
     ) -> Fleet:
-        """The replicas as they stand now, with this ledger's figures."""
+        """The replicas as they stand now, with this ledger's figures, under `config`."""
         return take_snapshot(
             replicas,
-            config=self.current().admission,
-            stale_after_s=self.current().discovery.stale_after_s,
+            config=config.admission,
+            stale_after_s=config.discovery.stale_after_s,
             reserved=self.reserved,
             shared_prefix_blocks=self.prefixes.held_blocks,
             circuit=circuit,
@@ -92,7 +97,7 @@ class Admission:
         (for callers that have chosen already, and tests)."""
 
         async def rank(waited_s: float) -> Ranking:
-            return Ranking(list(self.snapshot(replicas)))
+            return Ranking(list(self.snapshot(replicas, self.current())))
 
         return rank
 
@@ -103,10 +108,11 @@ class Admission:
         return pool
 
     @contextlib.asynccontextmanager
-    async def admit(self, demand: Demand, rank: Ranker) -> AsyncIterator[Slot]:
+    async def admit(
+        self, demand: Demand, rank: Ranker, config: AdmissionConfig
+    ) -> AsyncIterator[Slot]:
         """Reserve the demand on the first replica of its ranking with room, now or from the
-        queue (ranked again on every attempt)."""
-        config = self.current().admission
+        queue (ranked again on every attempt), under `config` (the request's own)."""
         started = time.monotonic()
         ranking = await rank(0.0)
         candidates = [v.replica for v in ranking.replicas]
@@ -201,16 +207,19 @@ class Admission:
         at once: waiting it out would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
-        waiter = Waiter(demand, rank, future, ranking, started)
+        waiter = Waiter(demand, rank, future, ranking, started, config)
         ticket = Ticket(demand.tenant, demand.priority, started, waiter)
-        max_depth = config.queue.max_depth  # a lower one after a reload sheds nobody queued
+        # the queue is every request's: its depth is the one in force now
+        max_depth = self.current().admission.queue.max_depth
         refused = pool.queue.push(ticket, max_depth)
         if refused is ticket:
-            raise self._queue_full_error(demand.pool, max_depth)
+            raise self._queue_full_error(demand.pool, max_depth, config)
         if refused is not None:
             shed: Waiter = refused.payload
             if not shed.future.done():
-                shed.future.set_exception(self._queue_full_error(demand.pool, max_depth))
+                shed.future.set_exception(
+                    self._queue_full_error(demand.pool, max_depth, shed.config)
+                )
         budget = config.queue.budget(demand.priority)
         expected = self.expected_wait(pool, ticket, config)
         if expected is not None and expected > budget:
@@ -236,7 +245,7 @@ class Admission:
                 raise RateLimited(
                     f"no KV capacity in pool {demand.pool!r} within {budget:g}s",
                     code="queue_timeout",
-                    retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
+                    retry_after_s=self.retry_after(demand.pool, len(pool.queue), config),
                 ) from None
             raise
         finally:
@@ -281,19 +290,18 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
-        """One pass over the queue in service order, each request ranked afresh. A request
-        that does not fit puts up a barrier on the replicas it could use: requests of a lower
-        class may not take them, nor may anyone once it has used AGING_SHARE of its wait
-        budget (so large requests still make progress). Requests for other replicas go on.
-        Within a pass, once a request of n blocks did not fit on a set of replicas, larger
-        ones for the same set are not tried."""
-        config = self.current().admission
+        """One pass over the queue in service order, each request ranked afresh and placed
+        under the admission config it arrived with. A request that does not fit puts up a
+        barrier on the replicas it could use: requests of a lower class may not take them, nor
+        may anyone once it has used AGING_SHARE of its wait budget (so large requests still
+        make progress). Requests for other replicas go on. Within a pass, once a request of n
+        blocks did not fit on a set of replicas, larger ones for the same set are not tried."""
         now = time.monotonic()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
         for ticket in list(pool.queue):
             waiter: Waiter = ticket.payload
-            demand, future = waiter.demand, waiter.future
+            demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():
                 pool.queue.remove(ticket)
                 continue
@@ -373,19 +381,21 @@ class Admission:
         finally:
             pool.wake.set()
 
-    def retry_after(self, pool_name: str, ahead: int) -> float:
+    def retry_after(self, pool_name: str, ahead: int, config: AdmissionConfig) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""
-        return self._pool(pool_name).retry_after(ahead, self.current().admission.queue.max_wait_s)
+        return self._pool(pool_name).retry_after(ahead, config.queue.max_wait_s)
 
     def p95_worst_case(self, pool_name: str) -> int | None:
         return self._pool(pool_name).p95_reservation()
 
-    def _queue_full_error(self, pool_name: str, max_depth: int) -> RateLimited:
+    def _queue_full_error(
+        self, pool_name: str, max_depth: int, config: AdmissionConfig
+    ) -> RateLimited:
         depth = len(self._pool(pool_name).queue)
         return RateLimited(
             f"the queue for pool {pool_name!r} is full ({max_depth} waiting)",
             code="queue_full",
-            retry_after_s=self.retry_after(pool_name, depth),
+            retry_after_s=self.retry_after(pool_name, depth, config),
         )
 
     def _observe_depth(self, pool_name: str, pool: PoolQueue) -> None:

@@ -18,6 +18,7 @@ from kvgate.config import PRIORITY_CLASSES
 from kvgate.queue import FairQueue, Ticket
 
 if TYPE_CHECKING:
+    from kvgate.config import AdmissionConfig
     from kvgate.demand import Demand, Slot
     from kvgate.replicas import Replica
     from kvgate.routing.router import Ranking
@@ -30,14 +31,16 @@ FREED_WINDOW_S = 10.0
 
 @dataclass(eq=False, slots=True)
 class Waiter:
-    """A queued request: what it needs, how to rank replicas for it, where its slot goes, and
-    its latest ranking (for estimates between attempts)."""
+    """A queued request: what it needs, how to rank replicas for it, where its slot goes, its
+    latest ranking (for estimates between attempts), and the admission config it arrived
+    under (the dispatcher places it by that one, whatever a reload does meanwhile)."""
 
     demand: Demand
     rank: Callable[[float], Awaitable[Ranking]]
     future: asyncio.Future[Slot]
     ranking: Ranking
     since: float  # when it arrived (monotonic)
+    config: AdmissionConfig
 
     @property
     def candidates(self) -> list[Replica]:

@@ -39,8 +39,9 @@ def demand(tokens: int, tenant: str = "t", priority: str = "standard") -> Demand
 
 
 def admit(harness: Any, demand: Demand, *replicas: Replica) -> Any:
-    """Admit `demand` on the first of `replicas` (in this order) with room."""
-    return harness.admission.admit(demand, harness.admission.in_order(replicas))
+    """Admit `demand` on the first of `replicas` (in this order) with room, under the
+    harness's admission config."""
+    return harness.admission.admit(demand, harness.admission.in_order(replicas), harness.config)
 
 
 def whole(admission: AdmissionConfig | None = None) -> Config:

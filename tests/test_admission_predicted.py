@@ -133,7 +133,8 @@ class contextlib_stack:
     async def __aenter__(self) -> list[Slot]:
         slots = []
         for demand in self.demands:
-            context = self.gate.admission.admit(demand, self.gate.admission.in_order([self.r]))
+            admission = self.gate.admission
+            context = admission.admit(demand, admission.in_order([self.r]), self.gate.config)
             slots.append(await context.__aenter__())
             self.contexts.append(context)
         return slots

@@ -116,7 +116,7 @@ async def test_a_second_cancellation_during_the_ledger_release_still_frees_the_s
     r = replica()
 
     async def request() -> None:
-        async with gate.admit(shared_demand(), gate.in_order([r])) as slot:
+        async with gate.admit(shared_demand(), gate.in_order([r]), ADMISSION) as slot:
             assert slot.shared is not None and slot.shared.blocks == 9
             assert await store.held(ledger_key(r.id)) == 20
 
@@ -160,7 +160,7 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
     gate = admission(store, keeper)
     r = replica()
     # A request whose context is entered and never left: the leak the keeper must catch.
-    forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]))
+    forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]), ADMISSION)
     await forgotten.__aenter__()
     assert await store.held(ledger_key(r.id)) == 20
 
