@@ -14,6 +14,8 @@ Starts, each in its own process(es) on 127.0.0.1:
                         access log, normalization when the build has it; memory store
       kvgate-all-redis  the same on the Redis store (REDIS_URL, default redis://127.0.0.1:6379)
       kvgate-all-redis-2w  the same with `--workers 2` (both cores; not pinned)
+      kvgate-all-memory-16r  all features on the memory store, with 16 replicas (the one stub
+                        under 16 names): what a request's routing costs as the fleet grows
 Then drives every contender with the same aiohttp client from this process: non-streamed chat
 (max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
 of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
@@ -64,7 +66,7 @@ REQUEST_TIMEOUT_S = 10.0
 RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
-              "kvgate-all-redis", "kvgate-all-redis-2w")  # fmt: skip
+              "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class Workload:
     name: str
     max_tokens: int
     stream: bool
+    interval_ms: float = 0.0  # the stub's pause before each token (0: all at once)
 
     def bodies(self, n: int = 64) -> list[bytes]:
         """Request bodies, rendered before the clock starts; distinct user turns."""
@@ -86,6 +89,7 @@ class Workload:
             ],
             "max_tokens": self.max_tokens,
             "stream": self.stream,
+            **({"stub_token_interval_ms": self.interval_ms} if self.interval_ms else {}),
         }
 
     def complete(self, raw: bytes) -> bool:
@@ -97,6 +101,9 @@ class Workload:
 
 NON_STREAMED = Workload("non-streamed", 16, False)
 STREAMED = Workload("streamed", 64, True)
+# Tokens one at a time, as vLLM decodes them: every token is its own read and write in the
+# proxy (the stub above writes all 64 at once, which a proxy reads in a few large chunks).
+PACED = Workload("paced-stream", 64, True, interval_ms=2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,13 +248,17 @@ http {{
     return path
 
 
-def kvgate_all_config(port: int, stub: str, redis_prefix: str | None) -> dict[str, object]:
+def kvgate_all_config(
+    port: int, stub: str, redis_prefix: str | None, replicas: int = 1
+) -> dict[str, object]:
     """Every feature on: one tenant in api_key mode with limits far above the load (so each
     request pays for every check without being refused), admission, sessions and prefix
     routing (defaults), the access log; normalization when this build has it."""
     tree: dict[str, object] = {
         "server": {"host": "127.0.0.1", "port": port, "access_log": True},
-        "pools": {"default": {"replicas": [{"url": stub}]}},
+        "pools": {"default": {"replicas": [{"url": stub}] if replicas == 1 else [
+            {"url": stub, "name": f"replica-{i}"} for i in range(replicas)
+        ]}},
         "auth": {"mode": "api_key"},
         "tenants": [{
             "name": "bench", "api_key_sha256": [hashlib.sha256(API_KEY.encode()).hexdigest()],
@@ -313,7 +324,7 @@ async def start_servers(
         else:
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
             path = children.logs / f"{name}.yaml"
-            tree = kvgate_all_config(port, stub, prefix)
+            tree = kvgate_all_config(port, stub, prefix, 16 if kind.endswith("-16r") else 1)
             if base and ab and not (Path(ab) / "kvgate" / "normalize").exists():
                 tree.pop("normalization", None)
             path.write_text(yaml.safe_dump(tree))
@@ -444,8 +455,10 @@ def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, objec
     s_lo, s_hi = min(args.stream_concurrency), max(args.stream_concurrency)
     direct = by[(NON_STREAMED.name, c_lo, "direct")]
     direct_s = by[(STREAMED.name, s_lo, "direct")]
+    p_hi = max(args.paced_concurrency, default=None)
     rows = []
     for name in dict.fromkeys(c.contender for c in cells):
+        paced = by.get((PACED.name, p_hi, name))
         one, many = by[(NON_STREAMED.name, c_lo, name)], by[(NON_STREAMED.name, c_hi, name)]
         s_one, s_many = by[(STREAMED.name, s_lo, name)], by[(STREAMED.name, s_hi, name)]
         rows.append({
@@ -458,6 +471,8 @@ def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, objec
             f"chunks_s_c{s_hi}": round(s_many.rate * s_many.chunks),
             "stream_cpu_ms": None if s_many.proxy_cpu_ms is None else round(s_many.proxy_cpu_ms, 3),
             "ttfb_added_ms": round(s_one.ttfb_p50_ms - direct_s.ttfb_p50_ms, 3),
+            "paced_stream_cpu_ms": None if paced is None or paced.proxy_cpu_ms is None
+            else round(paced.proxy_cpu_ms, 3),
             "errors": sum(c.errors for c in cells if c.contender == name),
         })  # fmt: skip
     return rows
@@ -480,8 +495,9 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
     head = [
         f"| contender | req/s c{c_lo} | req/s c{c_hi} (× pass-through) | P50 / P99 added at c{c_lo} "
         f"| proxy CPU ms/req (c{c_hi}) | streams/s c{s_hi} (× vllm-router) | chunks/s c{s_hi} "
-        f"| stream CPU ms/stream | TTFB added (streamed, c1) | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| stream CPU ms/stream | paced stream CPU ms/stream | TTFB added (streamed, c1) "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = str(r["contender"])
@@ -490,7 +506,8 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
             f"{ratio(name, 'passthrough', f'req_s_c{c_hi}')} "
             f"| {ms(r['p50_added_ms'])} / {ms(r['p99_added_ms'])} | {ms(r['cpu_ms_per_request'])} "
             f"| {r[f'streams_s_c{s_hi}']}{ratio(name, 'vllm-router', f'streams_s_c{s_hi}')} "
-            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
+            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} "
+            f"| {ms(r['paced_stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
             f"| {r['errors']} |"
         )
     cells_md = [
@@ -526,7 +543,9 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
         f"- Command: `{command.strip()}`",
         f"- Load: closed loop, C concurrent aiohttp clients in the driver process; non-streamed "
         f"chat with max_tokens {NON_STREAMED.max_tokens}, streamed chat of "
-        f"{STREAMED.max_tokens} chunks; a ~{len(NON_STREAMED.bodies(1)[0])}-byte body; "
+        f"{STREAMED.max_tokens} chunks written at once, and paced streams of "
+        f"{PACED.max_tokens} tokens {PACED.interval_ms:g} ms apart (at "
+        f"{', '.join(map(str, args.paced_concurrency)) or 'no'} clients); a ~{len(NON_STREAMED.bodies(1)[0])}-byte body; "
         f"{args.warmup:g} s warm-up then {args.duration:g} s measured per contender and cell, "
         f"in {args.rounds} interleaved rounds (rotating order; {RAMP_S:g} s unmeasured ramp "
         "per later slice); latency is request sent → last byte read.",
@@ -564,7 +583,7 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
             print(f"  {name}: Redis {args.trips[name]}", flush=True)
     plan = [(NON_STREAMED, c) for c in args.concurrency] + [
         (STREAMED, c) for c in args.stream_concurrency
-    ]
+    ] + [(PACED, c) for c in args.paced_concurrency]
     for workload, concurrency in plan:
         for c in await run_cells(urls, workload, concurrency, args, cpu):
             print(f"  {c.workload:13} C={c.concurrency:<3} {c.contender:20} {c.rate:7.0f} req/s  "
@@ -642,6 +661,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--stream-concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--paced-concurrency", type=int, nargs="*", default=[64],
+                        help="streams of 64 tokens 2 ms apart (none: skip)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="interleaved slices per contender")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction,

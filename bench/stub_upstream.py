@@ -119,8 +119,13 @@ def build_app() -> web.Application:
         response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
         response.content_type = "text/event-stream"
         await response.prepare(request)
+        # a benchmark's pacing (vLLM writes each token as it decodes it): the field passes
+        # through every contender untouched
+        interval_s = float(data.get("stub_token_interval_ms") or 0) / 1000
         await response.write(bodies.role)
         for _ in range(max_tokens - 1):
+            if interval_s:
+                await asyncio.sleep(interval_s)
             await response.write(bodies.token)
         await response.write(bodies.last_token)
         if (data.get("stream_options") or {}).get("include_usage"):

@@ -66,10 +66,12 @@ class Ledger:
                 shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
                 own_later = blocks - prefix_blocks
                 try:
-                    shared.live, own_granted = await self._acquire_both(
+                    live, own_granted = await self._acquire_both(
                         replica.id, shared.lease_id, prefix_blocks, lease_id, own_later,
                         limit, ttl,
                     )
+                    if live:
+                        self.prefixes.granted(shared)
                 finally:
                     if not shared.live:
                         self.prefixes.drop(shared)  # refused, failed or cancelled

@@ -33,10 +33,13 @@ def credit_blocks(prefix_tokens: int, block_size: int) -> int:
 
 
 class SharedPrefixes:
-    """This instance's shared-prefix leases, by (replica, prefix key)."""
+    """This instance's shared-prefix leases, by (replica, prefix key), with the live blocks
+    per replica kept as they change (every fleet snapshot reads them for every replica: a
+    scan of all entries per replica grew with replicas × prefixes; issue 14)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], SharedPrefix] = {}
+        self._held: dict[str, int] = {}  # replica id -> blocks of its live entries
 
     def get(self, replica_id: str, key: str) -> SharedPrefix | None:
         return self._entries.get((replica_id, key))
@@ -46,12 +49,25 @@ class SharedPrefixes:
         self._entries[(replica_id, key)] = entry
         return entry
 
+    def granted(self, entry: SharedPrefix) -> None:
+        """The entry's lease was granted: its blocks count as held (and give credit)."""
+        if not entry.live and self._entries.get((entry.replica_id, entry.key)) is entry:
+            entry.live = True
+            self._held[entry.replica_id] = self._held.get(entry.replica_id, 0) + entry.blocks
+
     def drop(self, entry: SharedPrefix) -> None:
-        if self._entries.get((entry.replica_id, entry.key)) is entry:
-            del self._entries[(entry.replica_id, entry.key)]
+        if self._entries.get((entry.replica_id, entry.key)) is not entry:
+            return
+        del self._entries[(entry.replica_id, entry.key)]
+        if entry.live:
+            held = self._held.get(entry.replica_id, 0) - entry.blocks
+            if held > 0:
+                self._held[entry.replica_id] = held
+            else:
+                self._held.pop(entry.replica_id, None)
 
     def held_blocks(self, replica_id: str) -> int:
-        return sum(e.blocks for (r, _), e in self._entries.items() if r == replica_id and e.live)
+        return self._held.get(replica_id, 0)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -24,6 +24,7 @@ from multidict import CIMultiDict
 
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import KvgateError, UpstreamError, UpstreamTimeout
+from kvgate.idle import IdleTimeout
 from kvgate.replicas import Replica
 
 HOP_BY_HOP = frozenset(
@@ -234,17 +235,15 @@ class Relay:
         loop = asyncio.get_running_loop()
         writing = False
         try:
-            # One timeout for the whole stream, moved rather than re-created per chunk: the idle
-            # gap or the total deadline, whichever is first, both while reading from the replica
-            # and while writing to the client (a client that stops reading holds no more than
-            # the transport's buffer, and only for one idle gap).
-            until_deadline = deadline - time.monotonic()
-            async with asyncio.timeout(None) as limit:
+            # One idle timeout for the whole stream, both while reading from the replica and
+            # while writing to the client (a client that stops reading holds no more than the
+            # transport's buffer, and only for one idle gap), and the total deadline; each
+            # chunk only notes the time (see kvgate/idle.py).
+            until = loop.time() + (deadline - time.monotonic())
+            async with IdleTimeout(idle, until) as limit:
                 while True:
-                    limit.reschedule(loop.time() + min(idle, until_deadline))
                     chunk = await upstream.content.readany()
-                    until_deadline = deadline - time.monotonic()
-                    limit.reschedule(loop.time() + min(idle, until_deadline))
+                    limit.touch()
                     if not chunk:
                         break
                     if not buffer and chunk.endswith(b"\n\n") and b"\r" not in chunk:
@@ -264,6 +263,7 @@ class Relay:
                         writing = True
                         await self._write(response, out, outcome)
                         writing = False
+                        limit.touch()
             if buffer.strip():
                 out = self._filter([buffer], outcome, client_wants_usage)
                 if out:

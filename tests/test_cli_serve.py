@@ -333,3 +333,49 @@ async def test_sigterm_under_load_stops_accepting_finishes_streams_in_flight_and
             assert rest.endswith(b"data: [DONE]\n\n")
     assert await kvgate.exit_code() == 0
     assert "Traceback" not in kvgate.log
+
+
+async def test_a_stderr_nobody_reads_never_stalls_requests_and_no_log_line_is_lost(
+    stub_factory, tmp_path: Path
+):
+    # A container runtime's log pipe under pressure: the 64 KiB pipe fills after ~200 access
+    # lines. Logging from the event loop would block it there and every request with it.
+    stub = await stub_factory()
+    port = free_port()
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump({
+        "server": {"port": port, "access_log": True},
+        "discovery": {"interval_s": 0.1},
+        "pools": {"default": {"replicas": [{"url": stub.url}]}},
+    }))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvgate.cli", "serve", "--config", str(path),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env=dict(os.environ),
+    )
+    assert proc.stderr is not None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_ready(url)
+        n = 600
+        left = list(range(n))
+        async with aiohttp.ClientSession() as session:
+
+            async def client() -> None:
+                while left:
+                    left.pop()
+                    async with session.post(f"{url}/v1/chat/completions", json=CHAT) as r:
+                        assert r.status == 200
+                        await r.read()
+
+            await asyncio.wait_for(asyncio.gather(*(client() for _ in range(8))), 30)
+        seen = 0
+        while seen < n:  # now drain the pipe: every line arrives
+            line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            assert line, f"kvgate's log ended after {seen} of {n} access lines"
+            seen += b"kvgate.access" in line
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.communicate(), 10)

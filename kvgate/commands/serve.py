@@ -24,6 +24,7 @@ from kvgate.config import (
     quick_config,
     read_tree,
 )
+from kvgate.logs import restore, write_logs_from_a_thread
 from kvgate.tokens import TokenizerError
 from kvgate.workers import PEERS, Peers, default_workers, private_site, supervise
 
@@ -73,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    replaced = write_logs_from_a_thread()  # a stalled stderr never stalls requests
+    try:
+        return _run(args)
+    finally:
+        restore(replaced)
+
+
+def _run(args: argparse.Namespace) -> int:
     load = config_loader(args)
     try:
         config = load()

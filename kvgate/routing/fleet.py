@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvgate.config import AdmissionConfig
 from kvgate.replicas import Replica
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaView:
+class ReplicaView(NamedTuple):
+    """One replica as the snapshot saw it. A NamedTuple, not a frozen dataclass: every request
+    builds one per replica of the fleet, and this builds in a third of the time (issue 14)."""
+
     replica: Replica
     id: str
     pool: str
@@ -133,19 +136,21 @@ def take_snapshot(
     now = time.monotonic() if now is None else now
     views = []
     typical: dict[str, int | None] = {}  # per pool, computed once
+    predicted = config.mode == "predicted"
     for r in replicas:
+        rid = r.id
         scrape = r.fresh_scrape(stale_after_s, now)
-        factor = overcommit(r.id) if config.mode == "predicted" else 1.0
+        factor = overcommit(rid) if predicted else 1.0
         hit_rate = None
         if scrape is not None and scrape.prefix_queries and scrape.prefix_hits is not None:
             hit_rate = scrape.prefix_hits / scrape.prefix_queries
         views.append(ReplicaView(
-            replica=r, id=r.id, pool=r.pool, healthy=r.healthy, circuit=circuit(r.id),
+            replica=r, id=rid, pool=r.pool, healthy=r.healthy, circuit=circuit(rid),
             draining=r.draining, models=r.models, block_size=r.kv_block_size,
             num_gpu_blocks=r.num_gpu_blocks,
             admissible_blocks=admissible_blocks(r, config),
-            reserved_blocks=reserved.get(r.id, 0),
-            shared_prefix_blocks=shared_prefix_blocks(r.id), inflight=len(r.inflight),
+            reserved_blocks=reserved.get(rid, 0),
+            shared_prefix_blocks=shared_prefix_blocks(rid), inflight=len(r.inflight),
             overcommit=factor,
             typical_blocks=typical[r.pool] if r.pool in typical else typical.setdefault(
                 r.pool, typical_blocks(r.pool)),

@@ -9,6 +9,7 @@ candidates of a request with no prefix key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -19,10 +20,19 @@ from kvgate.routing.route import Route
 
 
 def hash_order(prefix: str, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
-    def weight(view: ReplicaView) -> bytes:
-        return hashlib.blake2b(f"{prefix}\0{view.id}".encode(), digest_size=8).digest()
+    return [candidates[i] for i in _order(prefix, tuple(v.id for v in candidates))]
 
-    return sorted(candidates, key=weight, reverse=True)
+
+@functools.lru_cache(maxsize=8192)
+def _order(prefix: str, ids: tuple[str, ...]) -> tuple[int, ...]:
+    """Positions in `ids` by descending rendezvous weight. Remembered: a prefix (a session)
+    meets the same candidates request after request, and hashing each of them every time
+    was most of a request's ranking on a large pool (issue 14)."""
+
+    def weight(i: int) -> bytes:
+        return hashlib.blake2b(f"{prefix}\0{ids[i]}".encode(), digest_size=8).digest()
+
+    return tuple(sorted(range(len(ids)), key=weight, reverse=True))
 
 
 def preferred(
