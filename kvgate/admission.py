@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
-from kvgate.config import AdmissionConfig
+from kvgate.config import AdmissionConfig, Config, CurrentConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
@@ -36,7 +36,7 @@ from kvgate.ledger import Ledger
 from kvgate.metrics import Metrics
 from kvgate.overcommit import Overcommit
 from kvgate.protect import finish
-from kvgate.queue import FairQueue, Ticket
+from kvgate.queue import Ticket
 from kvgate.replicas import Replica
 from kvgate.routing.fleet import Fleet, ReplicaView, take_snapshot
 from kvgate.routing.router import Ranking
@@ -56,40 +56,35 @@ Ranker = Callable[[float], Awaitable[Ranking]]
 
 
 class Admission:
+    """A request is admitted under its own config's `admission` section (`admit`'s `config`),
+    queued requests included. What every request shares follows the config in force now
+    (`current`): the depth of a pool's queue, and the scrapes' age limit for the overcommit
+    feedback after each discovery round."""
+
     def __init__(
-        self,
-        store: StateStore,
-        metrics: Metrics,
-        config: Callable[[], AdmissionConfig],
-        keeper: LeaseKeeper,
-        stale_after_s: Callable[[], float],
+        self, store: StateStore, metrics: Metrics, current: CurrentConfig, keeper: LeaseKeeper
     ) -> None:
         self.store = store
         self.metrics = metrics
-        self.config = config
+        self.current = current
         self.keeper = keeper
-        self.stale_after_s = stale_after_s
         self._pools: dict[str, PoolQueue] = {}
         self.ledger = Ledger(store, keeper, metrics)
         self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
 
-    def configure(self, config: AdmissionConfig) -> None:
-        """A reload: queues take the new depth (a shorter one sheds nobody already waiting;
-        it refuses newcomers until it drains below), leases the new TTL."""
-        for pool in self._pools.values():
-            pool.queue.max_depth = config.queue.max_depth
-        self.keeper.ttl_s = config.lease_ttl_s
-
     def snapshot(
-        self, replicas: Iterable[Replica], circuit: Callable[[str], str] = lambda _: "closed"
+        self,
+        replicas: Iterable[Replica],
+        config: Config,
+        circuit: Callable[[str], str] = lambda _: "closed",
     ) -> Fleet:
-        """The replicas as they stand now, with this ledger's figures."""
+        """The replicas as they stand now, with this ledger's figures, under `config`."""
         return take_snapshot(
             replicas,
-            config=self.config(),
-            stale_after_s=self.stale_after_s(),
+            config=config.admission,
+            stale_after_s=config.discovery.stale_after_s,
             reserved=self.reserved,
             shared_prefix_blocks=self.prefixes.held_blocks,
             circuit=circuit,
@@ -102,21 +97,22 @@ class Admission:
         (for callers that have chosen already, and tests)."""
 
         async def rank(waited_s: float) -> Ranking:
-            return Ranking(list(self.snapshot(replicas)))
+            return Ranking(list(self.snapshot(replicas, self.current())))
 
         return rank
 
     def _pool(self, name: str) -> PoolQueue:
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = PoolQueue(FairQueue(self.config().queue.max_depth))
+            pool = self._pools[name] = PoolQueue()
         return pool
 
     @contextlib.asynccontextmanager
-    async def admit(self, demand: Demand, rank: Ranker) -> AsyncIterator[Slot]:
+    async def admit(
+        self, demand: Demand, rank: Ranker, config: AdmissionConfig
+    ) -> AsyncIterator[Slot]:
         """Reserve the demand on the first replica of its ranking with room, now or from the
-        queue (ranked again on every attempt)."""
-        config = self.config()
+        queue (ranked again on every attempt), under `config` (the request's own)."""
         started = time.monotonic()
         ranking = await rank(0.0)
         candidates = [v.replica for v in ranking.replicas]
@@ -211,15 +207,19 @@ class Admission:
         at once: waiting it out would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
-        waiter = Waiter(demand, rank, future, ranking, started)
+        waiter = Waiter(demand, rank, future, ranking, started, config)
         ticket = Ticket(demand.tenant, demand.priority, started, waiter)
-        refused = pool.queue.push(ticket)
+        # the queue is every request's: its depth is the one in force now
+        max_depth = self.current().admission.queue.max_depth
+        refused = pool.queue.push(ticket, max_depth)
         if refused is ticket:
-            raise self._queue_full_error(demand.pool, config)
+            raise self._queue_full_error(demand.pool, max_depth, config)
         if refused is not None:
             shed: Waiter = refused.payload
             if not shed.future.done():
-                shed.future.set_exception(self._queue_full_error(demand.pool, config))
+                shed.future.set_exception(
+                    self._queue_full_error(demand.pool, max_depth, shed.config)
+                )
         budget = config.queue.budget(demand.priority)
         expected = self.expected_wait(pool, ticket, config)
         if expected is not None and expected > budget:
@@ -245,7 +245,7 @@ class Admission:
                 raise RateLimited(
                     f"no KV capacity in pool {demand.pool!r} within {budget:g}s",
                     code="queue_timeout",
-                    retry_after_s=self.retry_after(demand.pool, len(pool.queue)),
+                    retry_after_s=self.retry_after(demand.pool, len(pool.queue), config),
                 ) from None
             raise
         finally:
@@ -290,19 +290,18 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
-        """One pass over the queue in service order, each request ranked afresh. A request
-        that does not fit puts up a barrier on the replicas it could use: requests of a lower
-        class may not take them, nor may anyone once it has used AGING_SHARE of its wait
-        budget (so large requests still make progress). Requests for other replicas go on.
-        Within a pass, once a request of n blocks did not fit on a set of replicas, larger
-        ones for the same set are not tried."""
-        config = self.config()
+        """One pass over the queue in service order, each request ranked afresh and placed
+        under the admission config it arrived with. A request that does not fit puts up a
+        barrier on the replicas it could use: requests of a lower class may not take them, nor
+        may anyone once it has used AGING_SHARE of its wait budget (so large requests still
+        make progress). Requests for other replicas go on. Within a pass, once a request of n
+        blocks did not fit on a set of replicas, larger ones for the same set are not tried."""
         now = time.monotonic()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
         for ticket in list(pool.queue):
             waiter: Waiter = ticket.payload
-            demand, future = waiter.demand, waiter.future
+            demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():
                 pool.queue.remove(ticket)
                 continue
@@ -345,7 +344,7 @@ class Admission:
     def after_discovery(self, replicas: Iterable[Replica]) -> None:
         """A discovery round brought fresh scrapes: steer each replica's overcommit by them,
         then let the queues try again."""
-        stale = self.stale_after_s()
+        stale = self.current().discovery.stale_after_s
         waiting = {name for name, pool in self._pools.items() if len(pool.queue)}
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
@@ -382,19 +381,21 @@ class Admission:
         finally:
             pool.wake.set()
 
-    def retry_after(self, pool_name: str, ahead: int) -> float:
+    def retry_after(self, pool_name: str, ahead: int, config: AdmissionConfig) -> float:
         """Seconds until `ahead + 1` requests' worth of capacity frees, at the recent rate."""
-        return self._pool(pool_name).retry_after(ahead, self.config().queue.max_wait_s)
+        return self._pool(pool_name).retry_after(ahead, config.queue.max_wait_s)
 
     def p95_worst_case(self, pool_name: str) -> int | None:
         return self._pool(pool_name).p95_reservation()
 
-    def _queue_full_error(self, pool_name: str, config: AdmissionConfig) -> RateLimited:
+    def _queue_full_error(
+        self, pool_name: str, max_depth: int, config: AdmissionConfig
+    ) -> RateLimited:
         depth = len(self._pool(pool_name).queue)
         return RateLimited(
-            f"the queue for pool {pool_name!r} is full ({config.queue.max_depth} waiting)",
+            f"the queue for pool {pool_name!r} is full ({max_depth} waiting)",
             code="queue_full",
-            retry_after_s=self.retry_after(pool_name, depth),
+            retry_after_s=self.retry_after(pool_name, depth, config),
         )
 
     def _observe_depth(self, pool_name: str, pool: PoolQueue) -> None:

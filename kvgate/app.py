@@ -1,5 +1,11 @@
 """Builds the aiohttp application from a config: wires the stages, starts the background
 tasks (discovery, queue dispatchers, lease renewal, gauges), and reloads on demand.
+
+Config reaches every stage one way: as the immutable snapshot `gateway.runtime`
+(`kvgate.runtime`). A request takes it at its start and passes it down; background stages and
+the state every request shares read the one in force through `gateway.current`. A reload
+loads the new snapshot, swaps it in, and acts only where a change needs an action: the
+replica registry, dispatchers for new pools, a new upstream connection pool, forgotten circuits.
 """
 
 from __future__ import annotations
@@ -17,23 +23,23 @@ from kvgate.admission import Admission
 from kvgate.api.admin import admin_middleware
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.calibration import Calibration
-from kvgate.catalog import Catalog
 from kvgate.config import Config, ConfigError, UpstreamConfig, secret
 from kvgate.demand import ledger_key
 from kvgate.dns import dns_loop
 from kvgate.errors import KvgateError
-from kvgate.gateway import Gateway, Runtime
+from kvgate.gateway import Gateway
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.replicas import Registry, discovery_loop
 from kvgate.routing.drain import watch_drains
 from kvgate.routing.health import STATE_VALUE, Breakers
-from kvgate.routing.router import Router, scorers_for
+from kvgate.routing.router import Router
 from kvgate.routing.scorers import Deps
 from kvgate.routing.sessions import Sessions
+from kvgate.runtime import Runtime
 from kvgate.state.base import StateStore, StateStoreError
-from kvgate.tenants import Budgets, Directory
+from kvgate.tenants import Budgets
 from kvgate.tokens import TokenizerError
 from kvgate.upstream import Relay
 
@@ -63,46 +69,39 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         middlewares=[errors_middleware, admin_middleware],
         client_max_size=config.server.max_body_bytes,
     )
-    catalog = Catalog()
-    catalog.configure(config)
+    runtime = Runtime.load(config)
     metrics = Metrics()
     registry = Registry()
     sync_registry(registry, config)
     store = store if store is not None else build_store(config)
+
+    def current() -> Config:  # the gateway's, built below: whatever runtime is in force then
+        return gateway.runtime.config
+
     keeper = LeaseKeeper(
-        store, config.admission.lease_ttl_s,
-        on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc(),
+        store, current, on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc()
     )
-    gateway_box: list[Gateway] = []
-
-    def current() -> Config:
-        return gateway_box[0].runtime.config
-
-    admission = Admission(
-        store, metrics, lambda: current().admission, keeper, lambda: current().discovery.stale_after_s
-    )
+    admission = Admission(store, metrics, current, keeper)
     sessions = Sessions(store, metrics)
     breakers = Breakers(
-        lambda: current().routing.circuit.failure_threshold,
-        lambda: current().routing.circuit.open_s,
+        current,
         on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
     )
     gateway = Gateway(
-        runtime=Runtime(config, Directory(config.auth, config.tenants)),
+        runtime=runtime,
+        current=current,
         registry=registry,
-        catalog=catalog,
-        relay=Relay(None, config.timeouts),  # its session is opened in _services
+        relay=Relay(None),  # its session is opened in _services
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
         prompts=PromptStage(metrics),
         store=store,
         metrics=metrics,
-        calibration=Calibration(config.calibration.min_ratio, config.calibration.max_ratio),
-        router=Router(Deps(sessions), config.routing),
+        calibration=Calibration(),
+        router=Router(Deps(sessions)),
         sessions=sessions,
         breakers=breakers,
     )
-    gateway_box.append(gateway)
     app[GATEWAY] = gateway
     add_routes(app, admin=config.server.admin.port is None)
     app.cleanup_ctx.append(_services)
@@ -111,7 +110,7 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
 
 async def _services(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
-    config = gateway.runtime.config
+    config, current = gateway.current(), gateway.current
     session = client_session(config.upstream)
     gateway.relay.session = session
     start = getattr(gateway.store, "start", None)
@@ -119,13 +118,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await start()
     tasks = [
         _task(discovery_loop(
-            lambda: gateway.relay.session, gateway.registry,
-            lambda: gateway.runtime.config.discovery,
+            lambda: gateway.relay.session, gateway.registry, current,
             lambda: gateway.admission.after_discovery(gateway.registry),
         )),
-        _task(dns_loop(gateway.registry, lambda: gateway.runtime.config.pools)),
-        _task(watch_drains(gateway.store, gateway.registry,
-                           lambda: gateway.runtime.config.discovery.interval_s)),
+        _task(dns_loop(gateway.registry, current)),
+        _task(watch_drains(gateway.store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
@@ -167,11 +164,12 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                 gateway.admission.ledger.observed(replica.id, await gateway.store.held(ledger_key(replica.id)))
             except (StateStoreError, KvgateError) as exc:  # the store counts its own errors
                 log.debug("ledger of %s not read: %s", replica.id, exc)
-        fleet = gateway.fleet()
-        current = {(view.id, view.pool) for view in fleet}
-        for replica_id, pool in exported - current:  # left the fleet: no stale series
+        config = gateway.current()
+        fleet = gateway.fleet(config)
+        present = {(view.id, view.pool) for view in fleet}
+        for replica_id, pool in exported - present:  # left the fleet: no stale series
             m.forget_replica(replica_id, pool)
-        exported = current
+        exported = present
         ids = {view.id for view in fleet}
         gateway.breakers.forget(ids)
         gateway.admission.ledger.forget(ids)
@@ -209,7 +207,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                         view.kv_usage - view.written_blocks / total
                     )
         _store_gauges(gateway)
-        gateway.prompts.export(gateway.runtime.config)  # the prompt fingerprints' gauges
+        gateway.prompts.export(config)  # the prompt fingerprints' gauges
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 
@@ -277,42 +275,39 @@ def restart_only_changes(old: Config, new: Config) -> list[str]:
 
 def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     """Load the config again (`load` re-reads the file and applies the command line). A bad
-    file is refused (logged) and the old config stays; requests in flight finish under the
-    config they started with. Every setting takes effect, except those in RESTART_ONLY: the
-    log names any of them that changed."""
+    file — or one whose tokenizers or scorers do not load — is refused (logged) and the old
+    config stays. Otherwise its snapshot replaces the old one: requests in flight finish
+    under the snapshot they started with, new ones and the background stages read the new
+    one. Every setting takes effect, except those in RESTART_ONLY: the log names any of them
+    that changed."""
     gateway = app[GATEWAY]
-    old = gateway.runtime.config
+    old = gateway.runtime
     try:
-        config = load()
-        scorers_for(config.routing.scorers, gateway.router.deps)  # refused before any change
-        gateway.catalog.configure(config)
+        runtime = Runtime.load(load(), previous=old)
     except (ConfigError, TokenizerError) as exc:
         log.error("config reload refused, keeping the old config:\n%s", exc)
         gateway.metrics.config_reloads.labels("refused").inc()
         return False
-    gateway.runtime = Runtime(config, Directory(config.auth, config.tenants))
+    config = runtime.config
+    gateway.runtime = runtime
+    # what only an action can change: which replicas there are, and what follows from that
     sync_registry(gateway.registry, config)
-    gateway.relay.timeouts = config.timeouts
-    gateway.router.configure(config.routing)
     gateway.breakers.forget({r.id for r in gateway.registry})
-    gateway.calibration.low = config.calibration.min_ratio
-    gateway.calibration.high = config.calibration.max_ratio
-    gateway.admission.configure(config.admission)
     tasks = app.get(TASKS)
-    if config.upstream != old.upstream and gateway.relay.session is not None:
+    if config.upstream != old.config.upstream and gateway.relay.session is not None:
         # a new pool of connections for new requests; the old one closes once the requests
         # using it can have finished
         retiring = gateway.relay.session
         gateway.relay.session = client_session(config.upstream)
         if tasks is not None:
-            tasks.append(_task(_retire(retiring, old.timeouts.total_s)))
+            tasks.append(_task(_retire(retiring, old.config.timeouts.total_s)))
     if tasks is not None:
         known = set(gateway.admission.pools())
         for pool in config.pools:
             if pool not in known:
                 tasks.append(_task(gateway.admission.dispatch(pool)))
     gateway.metrics.config_reloads.labels("ok").inc()
-    pending = restart_only_changes(old, config)
+    pending = restart_only_changes(old.config, config)
     if pending:
         log.warning("config reloaded; these settings take effect only after a restart: %s",
                     ", ".join(pending))

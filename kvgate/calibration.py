@@ -16,8 +16,11 @@ has its own terms, starting from a prior (the configured template overhead) and 
 ridge regression towards that prior over exponentially decayed sufficient statistics: O(1) per
 observation, a 3×3 solve per refit (within bounds), no history kept. A young fit refits on every
 observation; once it has YOUNG_FIT observations' weight, on every REFIT_EVERY-th (issue 14: the
-solve on every request was 2–3% of the proxy's CPU, and one observation in 200 barely moves it). Every term stays within bounds, so no
-odd response can move the estimate far; the estimate is rounded up.
+solve on every request was 2–3% of the proxy's CPU, and one observation in 200 barely moves it).
+Every term stays within bounds, so no odd response can move the estimate far; the estimate is
+rounded up. The ratio's bounds are the request's own `calibration` config, passed to every
+call: a reload that moves them applies to requests that start after it, and refits the fit at
+its next observation.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from kvgate.config import CalibrationConfig
 
 # Each observation's weight decays by this factor per later observation (~200-sample memory).
 DECAY = 0.995
@@ -70,6 +75,7 @@ class Terms:
 @dataclass(slots=True)
 class _Fit:
     prior: Terms
+    limits: CalibrationConfig  # the bounds `terms` was fitted within
     terms: Terms
     xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     xy: list[float] = field(default_factory=lambda: [0.0] * 3)
@@ -80,28 +86,38 @@ class _Fit:
 
 
 class Calibration:
-    """The affine estimate per (model, endpoint). Not thread-safe; used on the event loop."""
+    """The affine estimate per (model, endpoint), its ratio within `limits` (the request's
+    `calibration` config). Not thread-safe; used on the event loop."""
 
-    def __init__(self, low: float = 0.8, high: float = 1.5) -> None:
-        self.low, self.high = low, high
+    def __init__(self) -> None:
         self._fits: dict[tuple[str, str], _Fit] = {}
 
-    def terms(self, model: str, endpoint: str, prior: Terms) -> Terms:
+    def terms(self, model: str, endpoint: str, prior: Terms, limits: CalibrationConfig) -> Terms:
         fit = self._fits.get((model, endpoint))
-        return fit.terms if fit is not None else self._bounded(prior)
+        if fit is None:
+            return _bounded(prior, limits)
+        if fit.limits is not limits:  # fitted under other bounds: held to these until refitted
+            return _bounded(fit.terms, limits)
+        return fit.terms
 
-    def estimate(self, model: str, endpoint: str, features: Features, prior: Terms) -> int:
-        return self.terms(model, endpoint, prior).estimate(features)
+    def estimate(
+        self, model: str, endpoint: str, features: Features, prior: Terms,
+        limits: CalibrationConfig,
+    ) -> int:
+        return self.terms(model, endpoint, prior, limits).estimate(features)
 
     def observe(
-        self, model: str, endpoint: str, features: Features, actual: int, prior: Terms
+        self, model: str, endpoint: str, features: Features, actual: int, prior: Terms,
+        limits: CalibrationConfig,
     ) -> bool:
         """Fold in one request's true `prompt_tokens`; True when the terms were refitted."""
         if actual <= 0 or features.text_tokens < 0:
             return False
         fit = self._fits.get((model, endpoint))
         if fit is None or fit.prior != prior:  # a reload that changes the prior starts afresh
-            fit = self._fits[(model, endpoint)] = _Fit(prior, self._bounded(prior))
+            fit = self._fits[(model, endpoint)] = _Fit(prior, limits, _bounded(prior, limits))
+        moved = fit.limits is not limits  # a reload moved the bounds: refit within the new ones
+        fit.limits = limits
         estimated = fit.terms.estimate(features)
         fit.error = _decayed(fit.error, (estimated - actual) / actual, fit.weight)
         if estimated > 0:
@@ -115,9 +131,9 @@ class Calibration:
                 fit.xx[i][j] = DECAY * fit.xx[i][j] + x[i] * x[j]
         fit.weight = DECAY * fit.weight + 1.0
         fit.unfitted += 1
-        if fit.weight >= YOUNG_FIT and fit.unfitted < REFIT_EVERY:
+        if fit.weight >= YOUNG_FIT and fit.unfitted < REFIT_EVERY and not moved:
             return False
-        fit.terms, fit.unfitted = self._refit(fit), 0
+        fit.terms, fit.unfitted = _refit(fit), 0
         return True
 
     def error(self, model: str, endpoint: str) -> float | None:
@@ -137,54 +153,59 @@ class Calibration:
         for (model, endpoint), fit in self._fits.items():
             yield model, endpoint, fit.terms
 
-    def _refit(self, fit: _Fit) -> Terms:
-        """Ridge regression towards the prior: (XᵀX + Λ) θ = Xᵀy + Λ θ₀, with Λ scaled to each
-        feature's mean square so that whatever the units the prior weighs PRIOR_WEIGHT
-        observations at first and fades as observations come (a ridge that kept its weight
-        would bias a well-determined fit); it still settles what the data leave open (all
-        chats with two messages cannot tell per_message from per_request)."""
-        n = max(fit.weight, 1e-9)
-        prior = fit.prior.vector()
-        a = [row[:] for row in fit.xx]
-        b = fit.xy[:]
-        fading = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + n)
-        for i in range(3):
-            strength = fading * max(fit.xx[i][i] / n, 1.0)
-            a[i][i] += strength
-            b[i] += strength * prior[i]
-        return self._solve_bounded(a, b, fit.terms)
 
-    def _solve_bounded(self, a: list[list[float]], b: list[float], fallback: Terms) -> Terms:
-        """Minimise the ridge objective within the bounds: the exact solve when it lands inside
-        them (the usual case), else projected coordinate descent from there — exact for this
-        strictly convex problem, where clamping each term alone could leave a combination far
-        from the best one within bounds."""
-        bounds = ((self.low, self.high), PER_MESSAGE_BOUNDS, PER_REQUEST_BOUNDS)
-        solved = _solve(a, b)
-        x = list(fallback.vector()) if solved is None else solved
-        if solved is not None and all(lo <= v <= hi for v, (lo, hi) in zip(x, bounds, strict=True)):
-            return Terms(x[0], x[1], x[2])
-        x = [min(hi, max(lo, v)) for v, (lo, hi) in zip(x, bounds, strict=True)]
-        for _ in range(500):
-            moved = 0.0
-            for i in range(3):
-                if a[i][i] <= 0:
-                    continue
-                rest = b[i] - sum(a[i][j] * x[j] for j in range(3) if j != i)
-                lo, hi = bounds[i]
-                value = min(hi, max(lo, rest / a[i][i]))
-                moved = max(moved, abs(value - x[i]) / (hi - lo))
-                x[i] = value
-            if moved < 1e-9:
-                break
+def _refit(fit: _Fit) -> Terms:
+    """Ridge regression towards the prior: (XᵀX + Λ) θ = Xᵀy + Λ θ₀, with Λ scaled to each
+    feature's mean square so that whatever the units the prior weighs PRIOR_WEIGHT
+    observations at first and fades as observations come (a ridge that kept its weight
+    would bias a well-determined fit); it still settles what the data leave open (all
+    chats with two messages cannot tell per_message from per_request)."""
+    n = max(fit.weight, 1e-9)
+    prior = fit.prior.vector()
+    a = [row[:] for row in fit.xx]
+    b = fit.xy[:]
+    fading = PRIOR_WEIGHT * PRIOR_WEIGHT / (PRIOR_WEIGHT + n)
+    for i in range(3):
+        strength = fading * max(fit.xx[i][i] / n, 1.0)
+        a[i][i] += strength
+        b[i] += strength * prior[i]
+    return _solve_bounded(a, b, fit.terms, fit.limits)
+
+
+def _solve_bounded(
+    a: list[list[float]], b: list[float], fallback: Terms, limits: CalibrationConfig
+) -> Terms:
+    """Minimise the ridge objective within the bounds: the exact solve when it lands inside
+    them (the usual case), else projected coordinate descent from there — exact for this
+    strictly convex problem, where clamping each term alone could leave a combination far
+    from the best one within bounds."""
+    bounds = ((limits.min_ratio, limits.max_ratio), PER_MESSAGE_BOUNDS, PER_REQUEST_BOUNDS)
+    solved = _solve(a, b)
+    x = list(fallback.vector()) if solved is None else solved
+    if solved is not None and all(lo <= v <= hi for v, (lo, hi) in zip(x, bounds, strict=True)):
         return Terms(x[0], x[1], x[2])
+    x = [min(hi, max(lo, v)) for v, (lo, hi) in zip(x, bounds, strict=True)]
+    for _ in range(500):
+        moved = 0.0
+        for i in range(3):
+            if a[i][i] <= 0:
+                continue
+            rest = b[i] - sum(a[i][j] * x[j] for j in range(3) if j != i)
+            lo, hi = bounds[i]
+            value = min(hi, max(lo, rest / a[i][i]))
+            moved = max(moved, abs(value - x[i]) / (hi - lo))
+            x[i] = value
+        if moved < 1e-9:
+            break
+    return Terms(x[0], x[1], x[2])
 
-    def _bounded(self, terms: Terms) -> Terms:
-        return Terms(
-            min(self.high, max(self.low, terms.ratio)),
-            min(PER_MESSAGE_BOUNDS[1], max(PER_MESSAGE_BOUNDS[0], terms.per_message)),
-            min(PER_REQUEST_BOUNDS[1], max(PER_REQUEST_BOUNDS[0], terms.per_request)),
-        )
+
+def _bounded(terms: Terms, limits: CalibrationConfig) -> Terms:
+    return Terms(
+        min(limits.max_ratio, max(limits.min_ratio, terms.ratio)),
+        min(PER_MESSAGE_BOUNDS[1], max(PER_MESSAGE_BOUNDS[0], terms.per_message)),
+        min(PER_REQUEST_BOUNDS[1], max(PER_REQUEST_BOUNDS[0], terms.per_request)),
+    )
 
 
 def _decayed(mean: float, sample: float, weight: float) -> float:

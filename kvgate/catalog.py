@@ -2,8 +2,9 @@
 
 `bound_worst_case` is pure: given the parsed request, its counted prompt and the limits in
 force, it returns the max_tokens kvgate will forward and the worst case in tokens, or raises
-the 400 the client deserves. Tokenizers are loaded once per distinct configuration and kept
-across reloads; a tokenizer that cannot be loaded fails the start (or the reload).
+the 400 the client deserves. A `Catalog` belongs to one config (it lives in that config's
+`Runtime`); tokenizers are loaded once per distinct configuration and kept across reloads; a
+tokenizer that cannot be loaded fails the start (or the reload).
 """
 
 from __future__ import annotations
@@ -109,34 +110,33 @@ def upstream_payload(parsed: ParsedRequest, bound: Bound, raw: bytes | None) -> 
 
 
 class Catalog:
-    """Prompt counters per model, sharing tokenizers (and templates) between models."""
+    """One config's models: a prompt counter per model, built on first use, over the
+    tokenizers and chat templates that config names. They load when the catalog is made, so a
+    tokenizer that cannot be loaded refuses the config (TokenizerError); tokenizers already
+    loaded for the `previous` catalog are shared, not loaded again."""
 
-    def __init__(self) -> None:
-        self._tokenizers: dict[TokenizerConfig, Tokenizer] = {}
-        self._templates: dict[Path, ChatTemplate] = {}
-        self._counters: dict[str, PromptCounter] = {}
-        self.config: Config | None = None
-
-    def configure(self, config: Config) -> None:
-        """Load every configured tokenizer and template now (raises TokenizerError), then
-        switch."""
-        tokenizers = dict(self._tokenizers)
+    def __init__(self, config: Config, previous: Catalog | None = None) -> None:
+        loaded = previous._tokenizers if previous is not None else {}
+        tokenizers: dict[TokenizerConfig, Tokenizer] = {}
         templates: dict[Path, ChatTemplate] = {}
         for model in [*config.models, config.default_model]:
             t = model.tokenizer
             if t not in tokenizers:
-                tokenizers[t] = load_tokenizer(t.kind, t.encoding, t.file)
+                tokenizer = loaded.get(t)
+                if tokenizer is None:
+                    tokenizer = load_tokenizer(t.kind, t.encoding, t.file)
+                tokenizers[t] = tokenizer
             path = template_path(t)
             if path is not None and path not in templates:
                 templates[path] = load_template(path)
-        self._tokenizers, self._templates = tokenizers, templates
-        self._counters = {}
         self.config = config
+        self._tokenizers: dict[TokenizerConfig, Tokenizer] = tokenizers
+        self._templates: dict[Path, ChatTemplate] = templates
+        self._counters: dict[str, PromptCounter] = {}
 
     def counter(self, model: str) -> PromptCounter:
         counter = self._counters.get(model)
         if counter is None:
-            assert self.config is not None
             settings = self.config.model(model)
             path = template_path(settings.tokenizer)
             counter = PromptCounter(
@@ -151,7 +151,6 @@ class Catalog:
     def prior(self, model: str, endpoint: Endpoint, count: PromptCount) -> Terms:
         """Where the calibrated estimate starts: the configured template overhead for chats
         counted without the model's template, nothing added otherwise."""
-        assert self.config is not None
         if endpoint is not Endpoint.CHAT or count.templated:
             return Terms()
         template = self.config.model(model).chat_template

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -412,6 +412,13 @@ class Config(_Model):
 
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)
+
+
+# The config in force now, as one accessor: how the background stages (discovery, DNS, the
+# drain watch, the queue dispatchers, the lease keeper, the gauges) and the state every
+# request shares (a pool's queue, the circuits) read a setting, each time they need it. A
+# request's own stages read the snapshot it started with instead (`kvgate.runtime.Runtime`).
+CurrentConfig = Callable[[], Config]
 
 
 # ---------------------------------------------------------------- loading

@@ -13,7 +13,8 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 
-from kvgate.config import DnsConfig, PoolConfig, ReplicaConfig
+from kvgate.config import CurrentConfig, DnsConfig, PoolConfig, ReplicaConfig
+from kvgate.intervals import pause
 from kvgate.replicas import Registry
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,15 @@ async def resolve_pools(
 
 
 async def dns_loop(
-    registry: Registry,
-    pools: Callable[[], Mapping[str, PoolConfig]],
-    resolver: Resolver = resolve,
+    registry: Registry, current: CurrentConfig, resolver: Resolver = resolve
 ) -> None:
-    """Resolve every DNS-named pool each interval (the shortest of theirs) until cancelled."""
+    """Resolve every DNS-named pool of the config in force each interval (the shortest of
+    theirs) until cancelled."""
     while True:
-        current = pools()
-        await resolve_pools(registry, current, resolver)
-        intervals = [p.dns.interval_s for p in current.values() if p.dns is not None]
-        await asyncio.sleep(min(intervals, default=10.0))
+        await resolve_pools(registry, current().pools, resolver)
+        await pause(lambda: interval_s(current().pools))
+
+
+def interval_s(pools: Mapping[str, PoolConfig]) -> float:
+    """How often the DNS-named pools are resolved: the shortest of their intervals."""
+    return min((p.dns.interval_s for p in pools.values() if p.dns is not None), default=10.0)

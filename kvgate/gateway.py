@@ -7,7 +7,8 @@
     → settle: release blocks, correct the charge, record metrics
 
 Each resource is held by an `async with`, so every ending — completion, upstream error,
-timeout, client disconnect, cancellation — releases it exactly once.
+timeout, client disconnect, cancellation — releases it exactly once. Every stage reads the
+request's own config snapshot, `rt` (`kvgate.runtime`), taken when the request starts.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from aiohttp import web
 
 from kvgate.admission import Admission, Ranker
 from kvgate.calibration import Calibration, Terms
-from kvgate.catalog import Bound, Catalog, bound_worst_case, upstream_payload
-from kvgate.config import Config, ModelConfig, TenantConfig
+from kvgate.catalog import Bound, bound_worst_case, upstream_payload
+from kvgate.config import Config, CurrentConfig, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import (
     NeverFits,
@@ -49,22 +50,14 @@ from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.routing.route import Route
 from kvgate.routing.router import Ranking, Router
 from kvgate.routing.sessions import Sessions, session_key
+from kvgate.runtime import Runtime
 from kvgate.state.base import StateStore
-from kvgate.tenants import Budgets, Charge, Directory, check_access
+from kvgate.tenants import Budgets, Charge, check_access
 from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
 
 # How long a request's arrival snapshot of the fleet may serve its first ranking.
 FLEET_REUSE_S = 0.002
-
-
-@dataclass(frozen=True, slots=True)
-class Runtime:
-    """Everything derived from one version of the config. A request keeps the runtime it
-    started with, so a reload never changes the rules under a request in flight."""
-
-    config: Config
-    directory: Directory
 
 
 @dataclass(slots=True)
@@ -92,9 +85,10 @@ class RequestInfo:
 
 @dataclass(slots=True)
 class Gateway:
-    runtime: Runtime
+    runtime: Runtime  # in force now: a request takes it at its start; a reload replaces it
+    # `runtime.config`, read when asked: the one way background stages read the config
+    current: CurrentConfig
     registry: Registry
-    catalog: Catalog
     relay: Relay
     admission: Admission
     budgets: Budgets
@@ -128,12 +122,12 @@ class Gateway:
         info.fingerprint = fingerprint  # the prefix-affinity key
 
         # count tokens, bound the worst case, choose the pool
-        count = await self.catalog.count(parsed)
-        terms = self.terms(parsed, count)  # what vLLM will count, from what kvgate counted
+        count = await rt.catalog.count(parsed)
+        terms = self.terms(rt, parsed, count)  # what vLLM will count, from what kvgate counted
         model = rt.config.model(parsed.model)
         sized = self.bound(parsed, count, terms, tenant, model, model.max_model_len)
         first_pool = choose_pool(rt.config.pools, sized.worst_tokens, tenant.pools)
-        fleet = self.fleet()
+        fleet = self.fleet(rt.config)
         info.pool = self.router.pool(
             parsed.model, overflow_chain(rt.config.pools, first_pool), fleet
         )
@@ -157,7 +151,9 @@ class Gateway:
             settling: list[asyncio.Future[None]] = []
 
             def settle_now() -> None:  # the answer is complete: settle beside the release
-                settling.append(begin(self.settle(charge, parsed, count, bound, outcomes[-1], info)))
+                settling.append(
+                    begin(self.settle(rt, charge, parsed, count, bound, outcomes[-1], info))
+                )
 
             try:
                 return await self.serve(
@@ -170,7 +166,7 @@ class Gateway:
                 if settling:
                     await finish(settling[0])
                 else:
-                    await self.settle(charge, parsed, count, bound, outcomes[-1], info)
+                    await self.settle(rt, charge, parsed, count, bound, outcomes[-1], info)
 
     async def serve(
         self,
@@ -199,7 +195,9 @@ class Gateway:
                 try:
                     ranker = self.ranker(route, rt, ranked, info.key, arrival)
                     arrival = None  # a retry ranks afresh
-                    async with self.admission.admit(route.demand, ranker) as slot:
+                    async with self.admission.admit(
+                        route.demand, ranker, rt.config.admission
+                    ) as slot:
                         info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
                         info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
                         self.count_prefix_route(route, rt, slot, ranked)
@@ -243,7 +241,10 @@ class Gateway:
 
         async def rank(waited_s: float) -> Ranking:
             nonlocal arrival
-            fleet = arrival if arrival is not None and self.still_current(arrival) else self.fleet()
+            if arrival is not None and self.still_current(arrival):
+                fleet = arrival
+            else:
+                fleet = self.fleet(rt.config)
             arrival = None
             ranking = await self.router.rank(route, fleet, rt.config.routing)
             ranking = trial_gate(ranking, self.breakers, holder)
@@ -270,9 +271,10 @@ class Gateway:
                 route.session_key, slot.replica.id, ranked[0].fleet, rt.config.routing.sessions
             )
 
-    def fleet(self) -> Fleet:
-        """The fleet as it is now: one snapshot for routing, gauges and the admin view."""
-        return self.admission.snapshot(self.registry, circuit=self.breakers.state)
+    def fleet(self, config: Config) -> Fleet:
+        """The fleet as it is now, under `config` (a request's own, or the one in force): one
+        snapshot for routing, gauges and the admin view."""
+        return self.admission.snapshot(self.registry, config, circuit=self.breakers.state)
 
     def still_current(self, fleet: Fleet) -> bool:
         """A request's arrival snapshot is good for its first ranking while it is fresh and
@@ -300,9 +302,10 @@ class Gateway:
             longest_prompt=terms.estimate(count.longest or count.features) + media,
         )
 
-    def terms(self, parsed: ParsedRequest, count: PromptCount) -> Terms:
-        prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
-        return self.calibration.terms(parsed.model, count.fit_name(parsed.endpoint.name.lower()), prior)
+    def terms(self, rt: Runtime, parsed: ParsedRequest, count: PromptCount) -> Terms:
+        prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
+        endpoint = count.fit_name(parsed.endpoint.name.lower())
+        return self.calibration.terms(parsed.model, endpoint, prior, rt.config.calibration)
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
@@ -378,6 +381,7 @@ class Gateway:
                 stream=parsed.stream,
                 client_wants_usage=parsed.client_wants_usage,
                 outcome=outcome,
+                timeouts=rt.config.timeouts,
             )
         finally:
             replica.inflight.pop(info.key, None)
@@ -388,6 +392,7 @@ class Gateway:
 
     async def settle(
         self,
+        rt: Runtime,
         charge: Charge,
         parsed: ParsedRequest,
         count: PromptCount,
@@ -401,12 +406,13 @@ class Gateway:
         if usage is not None:
             # an image's true cost, or a prompt vLLM truncated, would only skew the text's fit
             if not count.media_tokens and parsed.body.get("truncate_prompt_tokens") is None:
-                prior = self.catalog.prior(parsed.model, parsed.endpoint, count)
+                prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
                 endpoint = count.fit_name(parsed.endpoint.name.lower())
+                limits = rt.config.calibration
                 if self.calibration.observe(
-                    parsed.model, endpoint, count.features, usage.prompt_tokens, prior
+                    parsed.model, endpoint, count.features, usage.prompt_tokens, prior, limits
                 ):
-                    self.export_calibration(parsed.model, endpoint)
+                    self.export_calibration(parsed.model, endpoint, rt)
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             if outcome.done and not outcome.upstream_failed:
                 sequences = bound.prompts * parsed.sequences
@@ -427,10 +433,10 @@ class Gateway:
         info.charged_tokens = prompt + completion
         await self.budgets.settle(charge, prompt, completion)
 
-    def export_calibration(self, model: str, endpoint: str) -> None:
+    def export_calibration(self, model: str, endpoint: str, rt: Runtime) -> None:
         m, calibration = self.metrics, self.calibration
         m.calibration.labels(model).set(calibration.ratio(model))
-        terms = calibration.terms(model, endpoint, Terms())
+        terms = calibration.terms(model, endpoint, Terms(), rt.config.calibration)
         for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(), strict=True):
             m.calibration_terms.labels(model, endpoint, name).set(value)
         error = calibration.error(model, endpoint)

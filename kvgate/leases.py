@@ -3,7 +3,9 @@
 Every hold kvgate takes in the state store — a request's blocks on a replica's ledger, a
 shared prefix's blocks, a tenant's concurrency slot — is a lease with a TTL, renewed here
 every ttl/3 while its request runs; if this instance dies its leases expire and the capacity
-returns by itself.
+returns by itself. The TTL is `admission.lease_ttl_s` of the config in force: a reload that
+shortens it is followed within `kvgate.intervals.RECHECK_S`, so no lease outlives its TTL
+waiting for a renewal timed by the old one.
 
 While this instance lives, a lease it forgets to give back would be renewed forever. So a
 lease added with `max_age_s` (how long its request may run at most, from its timeouts) that
@@ -14,13 +16,14 @@ own: they live while requests use them, and a dropped request lets go of its sha
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvgate.config import CurrentConfig
 from kvgate.errors import KvgateError
+from kvgate.intervals import pause
 from kvgate.protect import finish
 from kvgate.state.base import StateStore, StateStoreError
 
@@ -41,16 +44,21 @@ class LeaseKeeper:
     def __init__(
         self,
         store: StateStore,
-        ttl_s: float,
+        current: CurrentConfig,
         *,
         on_dropped: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self.ttl_s = ttl_s
+        self.current = current
         self._on_dropped = on_dropped  # called with the lease's kind ("ledger", "concurrency")
         self._clock = clock
         self._live: dict[str, dict[str, _Held]] = {}
+
+    @property
+    def ttl_s(self) -> float:
+        """The leases' TTL in force now."""
+        return self.current().admission.lease_ttl_s
 
     def add(
         self,
@@ -78,14 +86,15 @@ class LeaseKeeper:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            await pause(lambda: self.ttl_s / 3)
             await self.drop_stale()
             await self.renew_all()
 
     async def renew_all(self) -> None:
+        ttl_s = self.ttl_s
         for pool, leases in list(self._live.items()):
             try:
-                await self.store.renew(pool, list(leases), self.ttl_s)
+                await self.store.renew(pool, list(leases), ttl_s)
             except (StateStoreError, KvgateError) as exc:
                 # The next round retries; if the store stays away, the leases expire and
                 # other instances may admit onto this capacity: say so.

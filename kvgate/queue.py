@@ -2,9 +2,11 @@
 
 Service order: priority class first (critical, then standard, then sheddable); within a class,
 round robin across tenants, so one tenant's burst cannot starve the others; FIFO within a
-tenant. The depth is bounded: when full, a newcomer of a better class sheds the newest ticket
-of the worst class present (taken from the tenant with the most queued, the one bursting);
-otherwise the newcomer itself is refused.
+tenant. The depth is bounded by the caller at each push (the bound in force then: a lower one
+after a reload sheds nobody already queued, it refuses newcomers until the queue drains below
+it): when full, a newcomer of a better class sheds the newest ticket of the worst class present
+(taken from the tenant with the most queued, the one bursting); otherwise the newcomer itself
+is refused.
 """
 
 from __future__ import annotations
@@ -37,10 +39,7 @@ class _Class:
 
 
 class FairQueue:
-    def __init__(self, max_depth: int) -> None:
-        if max_depth < 1:
-            raise ValueError("max_depth must be at least 1")
-        self.max_depth = max_depth
+    def __init__(self) -> None:
         self._classes = [_Class() for _ in PRIORITY_CLASSES]
         self._size = 0
 
@@ -50,11 +49,14 @@ class FairQueue:
     def depth(self, priority: str) -> int:
         return self._classes[PRIORITY_CLASSES.index(priority)].size
 
-    def push(self, ticket: Ticket) -> Ticket | None:
-        """Queue `ticket`. Returns the ticket refused to keep the bound: None when there was
-        room, a shed ticket of a worse class, or `ticket` itself (then it was not queued)."""
+    def push(self, ticket: Ticket, max_depth: int) -> Ticket | None:
+        """Queue `ticket` if fewer than `max_depth` (at least 1) are queued. Returns the ticket
+        refused to keep the bound: None when there was room, a shed ticket of a worse class, or
+        `ticket` itself (then it was not queued)."""
+        if max_depth < 1:
+            raise ValueError("max_depth must be at least 1")
         shed = None
-        if self._size >= self.max_depth:
+        if self._size >= max_depth:
             worst = max(i for i, c in enumerate(self._classes) if c.size)
             if worst <= ticket.rank:
                 return ticket

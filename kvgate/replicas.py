@@ -20,7 +20,8 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.capacity import DEFAULT_BLOCK_SIZE
-from kvgate.config import DiscoveryConfig, ReplicaConfig, secret
+from kvgate.config import CurrentConfig, DiscoveryConfig, ReplicaConfig, secret
+from kvgate.intervals import pause
 
 log = logging.getLogger(__name__)
 
@@ -352,15 +353,16 @@ async def discover(
 async def discovery_loop(
     session: Callable[[], aiohttp.ClientSession | None],
     registry: Registry,
-    config: Callable[[], DiscoveryConfig],
+    current: CurrentConfig,
     after_round: Callable[[], None] = lambda: None,
 ) -> None:
-    """Scrape every replica each interval, all at once, until cancelled; `after_round` runs
-    after each round (new figures may let queued requests in)."""
+    """Scrape every replica each `discovery.interval_s` of the config in force, all at once,
+    until cancelled; `after_round` runs after each round (new figures may let queued requests
+    in)."""
     while True:
-        current, client = config(), session()
+        settings, client = current().discovery, session()
         registry.prune()
         if client is not None:
-            await asyncio.gather(*(discover(client, r, current) for r in registry))
+            await asyncio.gather(*(discover(client, r, settings) for r in registry))
         after_round()
-        await asyncio.sleep(current.interval_s)
+        await pause(lambda: current().discovery.interval_s)

@@ -113,9 +113,11 @@ def _openai_error_body(raw: bytes, status: int) -> dict[str, Any]:
 
 
 class Relay:
-    def __init__(self, session: aiohttp.ClientSession | None, timeouts: TimeoutsConfig) -> None:
+    """Forwards over the pooled client session (replaced whole when a reload changes
+    `upstream`), under the timeouts of the request's own config."""
+
+    def __init__(self, session: aiohttp.ClientSession | None) -> None:
         self.session = session  # opened by the app once its event loop runs
-        self.timeouts = timeouts
 
     async def forward(
         self,
@@ -129,10 +131,12 @@ class Relay:
         stream: bool,
         client_wants_usage: bool,
         outcome: Outcome,
+        timeouts: TimeoutsConfig,
     ) -> web.StreamResponse:
-        """Send `body` to the replica and relay its answer; `outcome` is filled in as it goes
-        (so a caller that is cancelled midway still knows what was streamed)."""
-        t = self.timeouts
+        """Send `body` to the replica and relay its answer under `timeouts`; `outcome` is
+        filled in as it goes (so a caller that is cancelled midway still knows what was
+        streamed)."""
+        t = timeouts
         assert self.session is not None, "the app's services are not started"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, connect=t.connect_s)
         deadline = time.monotonic() + t.total_s
@@ -165,7 +169,8 @@ class Relay:
             if upstream.status >= 400 or not stream:
                 return await self._relay_whole(upstream, replica, response_headers, outcome, deadline)
             return await self._relay_stream(
-                request, upstream, replica, response_headers, outcome, deadline, client_wants_usage
+                request, upstream, replica, response_headers, outcome, deadline, t.idle_s,
+                client_wants_usage,
             )
 
     async def _relay_whole(
@@ -219,6 +224,7 @@ class Relay:
         response_headers: Mapping[str, str],
         outcome: Outcome,
         deadline: float,
+        idle: float,
         client_wants_usage: bool,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=response_headers)
@@ -226,7 +232,6 @@ class Relay:
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(request)
         buffer = b""
-        idle = self.timeouts.idle_s
         loop = asyncio.get_running_loop()
         writing = False
         try:

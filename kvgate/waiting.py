@@ -18,6 +18,7 @@ from kvgate.config import PRIORITY_CLASSES
 from kvgate.queue import FairQueue, Ticket
 
 if TYPE_CHECKING:
+    from kvgate.config import AdmissionConfig
     from kvgate.demand import Demand, Slot
     from kvgate.replicas import Replica
     from kvgate.routing.router import Ranking
@@ -30,14 +31,16 @@ FREED_WINDOW_S = 10.0
 
 @dataclass(eq=False, slots=True)
 class Waiter:
-    """A queued request: what it needs, how to rank replicas for it, where its slot goes, and
-    its latest ranking (for estimates between attempts)."""
+    """A queued request: what it needs, how to rank replicas for it, where its slot goes, its
+    latest ranking (for estimates between attempts), and the admission config it arrived
+    under (the dispatcher places it by that one, whatever a reload does meanwhile)."""
 
     demand: Demand
     rank: Callable[[float], Awaitable[Ranking]]
     future: asyncio.Future[Slot]
     ranking: Ranking
     since: float  # when it arrived (monotonic)
+    config: AdmissionConfig
 
     @property
     def candidates(self) -> list[Replica]:
@@ -48,7 +51,7 @@ class Waiter:
 
 @dataclass(slots=True)
 class PoolQueue:
-    queue: FairQueue
+    queue: FairQueue = field(default_factory=FairQueue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     releases: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     freed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=128))

@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from kvgate.admission import Admission
-from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig
+from kvgate.config import (
+    AdmissionConfig,
+    Config,
+    PoolConfig,
+    QueueConfig,
+    ReplicaConfig,
+    RoutingConfig,
+    SessionsConfig,
+)
 from kvgate.demand import Demand, Slot, ledger_key
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.leases import LeaseKeeper
@@ -31,16 +39,29 @@ def demand(tokens: int, tenant: str = "t", priority: str = "standard") -> Demand
 
 
 def admit(harness: Any, demand: Demand, *replicas: Replica) -> Any:
-    """Admit `demand` on the first of `replicas` (in this order) with room."""
-    return harness.admission.admit(demand, harness.admission.in_order(replicas))
+    """Admit `demand` on the first of `replicas` (in this order) with room, under the
+    harness's admission config."""
+    return harness.admission.admit(demand, harness.admission.in_order(replicas), harness.config)
+
+
+def whole(admission: AdmissionConfig | None = None) -> Config:
+    """A whole config around `admission`, for the stages that read the config in force (its
+    placeholder replica is not the tests': they pass their own; no session waits, so any
+    wait budget is valid)."""
+    return Config(
+        pools={"p": PoolConfig(replicas=[ReplicaConfig(url="http://placeholder:8000")])},
+        admission=admission or AdmissionConfig(),
+        routing=RoutingConfig(sessions=SessionsConfig(affinity_wait_s=0)),
+    )
 
 
 class Harness:
     def __init__(self, config: AdmissionConfig) -> None:
         self.store = MemoryStore()
         self.config = config
+        current = whole(config)
         self.admission = Admission(
-            self.store, Metrics(), lambda: self.config, LeaseKeeper(self.store, 30.0), lambda: 10.0
+            self.store, Metrics(), lambda: current, LeaseKeeper(self.store, lambda: current)
         )
 
     async def held(self, r: Replica) -> int:

@@ -16,7 +16,7 @@ from kvgate.errors import RateLimited
 from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.state.memory import MemoryStore
-from tests.test_admission import admit, replica
+from tests.test_admission import admit, replica, whole
 
 
 def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "standard") -> Demand:
@@ -28,8 +28,9 @@ class Gate:
     def __init__(self, config: AdmissionConfig) -> None:
         self.store = MemoryStore()
         self.config = config
-        self.admission = Admission(self.store, Metrics(), lambda: self.config,
-                                   LeaseKeeper(self.store, 30.0), lambda: 10.0)
+        current = whole(config)
+        self.admission = Admission(self.store, Metrics(), lambda: current,
+                                   LeaseKeeper(self.store, lambda: current))
 
     async def held(self, r) -> int:
         return await self.store.held(ledger_key(r.id))
@@ -132,7 +133,8 @@ class contextlib_stack:
     async def __aenter__(self) -> list[Slot]:
         slots = []
         for demand in self.demands:
-            context = self.gate.admission.admit(demand, self.gate.admission.in_order([self.r]))
+            admission = self.gate.admission
+            context = admission.admit(demand, admission.in_order([self.r]), self.gate.config)
             slots.append(await context.__aenter__())
             self.contexts.append(context)
         return slots

@@ -7,14 +7,16 @@ import random
 import pytest
 
 from kvgate.calibration import Calibration, Features, Terms
+from kvgate.config import CalibrationConfig
 
 CHATML = Terms(1.0, 5.0, 3.0)
+LIMITS = CalibrationConfig()  # the ratio within [0.8, 1.5]
 
 
 def test_before_any_observation_the_prior_is_the_estimate():
     calibration = Calibration()
     features = Features(100, messages=2, prompts=1)
-    assert calibration.estimate("m", "chat", features, CHATML) == 100 + 2 * 5 + 3
+    assert calibration.estimate("m", "chat", features, CHATML, LIMITS) == 100 + 2 * 5 + 3
 
 
 def test_a_fixed_cost_per_message_is_learned_which_one_ratio_could_not_fix():
@@ -29,8 +31,8 @@ def test_a_fixed_cost_per_message_is_learned_which_one_ratio_could_not_fix():
         features = Features(text, messages, 1)
         actual = round(1.05 * text) + 9 * messages + 25
         samples.append((features, actual))
-        calibration.observe("m", "chat", features, actual, CHATML)
-    terms = calibration.terms("m", "chat", CHATML)
+        calibration.observe("m", "chat", features, actual, CHATML, LIMITS)
+    terms = calibration.terms("m", "chat", CHATML, LIMITS)
     assert terms.ratio == pytest.approx(1.05, abs=0.01)
     assert terms.per_message == pytest.approx(9, abs=0.5)
     assert terms.per_request == pytest.approx(25, abs=2)
@@ -42,20 +44,20 @@ def test_a_fixed_cost_per_message_is_learned_which_one_ratio_could_not_fix():
 def test_endpoints_are_fitted_apart_so_chats_do_not_skew_completions():
     calibration = Calibration()
     for text in range(10, 400, 7):
-        calibration.observe("m", "chat", Features(text, 2, 1), text + 40, CHATML)
-        calibration.observe("m", "completions", Features(text, 0, 1), text, Terms())
-    assert calibration.estimate("m", "completions", Features(200, 0, 1), Terms()) == 200
-    assert calibration.estimate("m", "chat", Features(200, 2, 1), CHATML) == 240
+        calibration.observe("m", "chat", Features(text, 2, 1), text + 40, CHATML, LIMITS)
+        calibration.observe("m", "completions", Features(text, 0, 1), text, Terms(), LIMITS)
+    assert calibration.estimate("m", "completions", Features(200, 0, 1), Terms(), LIMITS) == 200
+    assert calibration.estimate("m", "chat", Features(200, 2, 1), CHATML, LIMITS) == 240
 
 
 def test_terms_stay_within_bounds_whatever_the_replica_reports():
-    high, low = Calibration(low=0.8, high=1.5), Calibration(low=0.8, high=1.5)
+    high, low = Calibration(), Calibration()
     for text in range(100, 1000, 10):
-        high.observe("m", "chat", Features(text, 1, 1), 100 * text, CHATML)
-        low.observe("m", "chat", Features(text, 1, 1), 1, CHATML)
-    terms = high.terms("m", "chat", CHATML)
+        high.observe("m", "chat", Features(text, 1, 1), 100 * text, CHATML, LIMITS)
+        low.observe("m", "chat", Features(text, 1, 1), 1, CHATML, LIMITS)
+    terms = high.terms("m", "chat", CHATML, LIMITS)
     assert terms.ratio == 1.5 and terms.per_message == 64 and terms.per_request == 2048
-    terms = low.terms("m", "chat", CHATML)
+    terms = low.terms("m", "chat", CHATML, LIMITS)
     assert terms.ratio == 0.8 and terms.per_message == 0 and terms.per_request == -8
 
 
@@ -63,14 +65,14 @@ def test_within_its_bounds_the_fit_still_matches_what_it_can():
     # Features that never vary cannot separate the terms; the estimate must still fit them.
     calibration = Calibration()
     for _ in range(300):
-        calibration.observe("m", "chat", Features(100, 2, 1), 180, CHATML)
-    assert calibration.estimate("m", "chat", Features(100, 2, 1), CHATML) == pytest.approx(180, abs=1)
+        calibration.observe("m", "chat", Features(100, 2, 1), 180, CHATML, LIMITS)
+    assert calibration.estimate("m", "chat", Features(100, 2, 1), CHATML, LIMITS) == pytest.approx(180, abs=1)
 
 
 def test_the_one_number_ratio_reads_actual_over_estimate():
     calibration = Calibration()
     assert calibration.ratio("m") == 1.0
-    calibration.observe("m", "chat", Features(100, 1, 1), 216, CHATML)  # estimate 108
+    calibration.observe("m", "chat", Features(100, 1, 1), 216, CHATML, LIMITS)  # estimate 108
     assert calibration.ratio("m") == pytest.approx(2.0)
 
 
@@ -86,8 +88,8 @@ def test_a_burst_of_odd_answers_leaves_the_best_terms_within_bounds_not_a_corner
     for _ in range(60):
         data.append((Features(4000, 1, 1), 16))
     for f, actual in data:
-        calibration.observe("m", "chat", f, actual, CHATML)
-    terms = calibration.terms("m", "chat", CHATML)
+        calibration.observe("m", "chat", f, actual, CHATML, LIMITS)
+    terms = calibration.terms("m", "chat", CHATML, LIMITS)
 
     def cost(t: Terms) -> float:
         return sum((t.estimate(f) - y) ** 2 for f, y in data[-200:])
@@ -96,3 +98,15 @@ def test_a_burst_of_odd_answers_leaves_the_best_terms_within_bounds_not_a_corner
     corners = [Terms(r, m, p) for r in (0.8, 1.5) for m in (0.0, 64.0) for p in (-8.0, 2048.0)]
     assert all(cost(terms) <= cost(c) for c in corners)
     assert terms.per_message < 64
+
+
+def test_bounds_a_reload_moves_hold_at_once_and_the_next_observation_refits_within_them():
+    calibration = Calibration()
+    for text in range(100, 1000, 10):  # the replica counts 40% more than the text
+        calibration.observe("m", "chat", Features(text, 1, 1), round(1.4 * text) + 8, CHATML, LIMITS)
+    assert calibration.terms("m", "chat", CHATML, LIMITS).ratio == pytest.approx(1.4, abs=0.01)
+    narrower = CalibrationConfig(min_ratio=0.9, max_ratio=1.1)
+    assert calibration.terms("m", "chat", CHATML, narrower).ratio == 1.1
+    assert calibration.observe("m", "chat", Features(500, 1, 1), 708, CHATML, narrower)
+    terms = calibration.terms("m", "chat", CHATML, narrower)
+    assert terms.ratio == 1.1 and terms.per_request > 8  # the rest of the count moved elsewhere

@@ -103,8 +103,7 @@ async def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template
         "models": [{"name": "m", "tokenizer": {"kind": "huggingface",
                                                "file": str(model_dir / "tokenizer.json")}}],
     })
-    catalog = Catalog()
-    catalog.configure(config)  # finds tokenizer_config.json beside tokenizer.json
+    catalog = Catalog(config)  # finds tokenizer_config.json beside tokenizer.json
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
     async def tokens(**extra: object) -> int:

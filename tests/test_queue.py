@@ -6,6 +6,8 @@ import pytest
 
 from kvgate.queue import FairQueue, Ticket
 
+DEEP = 100  # room for every ticket a test pushes
+
 
 def ticket(tenant: str, priority: str = "standard", n: int = 0) -> Ticket:
     return Ticket(tenant, priority, float(n), payload=f"{tenant}{n}")
@@ -16,56 +18,56 @@ def drain(queue: FairQueue) -> list[str]:
 
 
 def test_a_burst_from_one_tenant_does_not_starve_another():
-    queue = FairQueue(100)
+    queue = FairQueue()
     for i in range(5):
-        queue.push(ticket("a", n=i))
-    queue.push(ticket("b", n=0))
-    queue.push(ticket("b", n=1))
+        queue.push(ticket("a", n=i), DEEP)
+    queue.push(ticket("b", n=0), DEEP)
+    queue.push(ticket("b", n=1), DEEP)
     assert drain(queue) == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"]
 
 
 def test_iteration_shows_the_order_pop_serves():
-    queue = FairQueue(100)
+    queue = FairQueue()
     for t in [ticket("a", n=0), ticket("a", n=1), ticket("b", n=0), ticket("c", n=0)]:
-        queue.push(t)
+        queue.push(t, DEEP)
     assert [t.payload for t in queue] == ["a0", "b0", "c0", "a1"]
     assert drain(queue) == ["a0", "b0", "c0", "a1"]
 
 
 def test_higher_priority_class_is_served_first():
-    queue = FairQueue(100)
-    queue.push(ticket("a", "sheddable", 0))
-    queue.push(ticket("b", "standard", 0))
-    queue.push(ticket("c", "critical", 0))
+    queue = FairQueue()
+    queue.push(ticket("a", "sheddable", 0), DEEP)
+    queue.push(ticket("b", "standard", 0), DEEP)
+    queue.push(ticket("c", "critical", 0), DEEP)
     assert drain(queue) == ["c0", "b0", "a0"]
 
 
 def test_full_queue_sheds_the_newest_of_the_worst_class_from_the_biggest_tenant():
-    queue = FairQueue(3)
-    queue.push(ticket("x", "sheddable", 0))
-    queue.push(ticket("y", "sheddable", 0))
-    queue.push(ticket("y", "sheddable", 1))
+    queue = FairQueue()
+    queue.push(ticket("x", "sheddable", 0), 3)
+    queue.push(ticket("y", "sheddable", 0), 3)
+    queue.push(ticket("y", "sheddable", 1), 3)
     newcomer = ticket("z", "standard", 0)
-    shed = queue.push(newcomer)
+    shed = queue.push(newcomer, 3)
     assert shed is not None and shed.payload == "y1"
     assert len(queue) == 3
     assert drain(queue) == ["z0", "x0", "y0"]
 
 
 def test_full_queue_refuses_a_newcomer_no_better_than_the_worst_present():
-    queue = FairQueue(2)
-    queue.push(ticket("x", "standard", 0))
-    queue.push(ticket("y", "standard", 0))
+    queue = FairQueue()
+    queue.push(ticket("x", "standard", 0), 2)
+    queue.push(ticket("y", "standard", 0), 2)
     newcomer = ticket("z", "standard", 0)
-    assert queue.push(newcomer) is newcomer
+    assert queue.push(newcomer, 2) is newcomer
     assert len(queue) == 2 and newcomer not in list(queue)
 
 
 def test_removed_ticket_leaves_no_trace():
-    queue = FairQueue(10)
+    queue = FairQueue()
     a, b = ticket("a", n=0), ticket("a", n=1)
-    queue.push(a)
-    queue.push(b)
+    queue.push(a, DEEP)
+    queue.push(b, DEEP)
     assert queue.remove(a) is True
     assert queue.remove(a) is False
     assert queue.position(b) == 0
@@ -77,8 +79,20 @@ def test_removed_ticket_leaves_no_trace():
 
 
 def test_position_counts_tickets_served_before():
-    queue = FairQueue(10)
+    queue = FairQueue()
     tickets = [ticket("a", n=0), ticket("a", n=1), ticket("b", n=0)]
     for t in tickets:
-        queue.push(t)
+        queue.push(t, DEEP)
     assert [queue.position(t) for t in tickets] == [0, 2, 1]
+
+
+def test_a_lower_bound_sheds_nobody_queued_and_refuses_newcomers_until_below_it():
+    queue = FairQueue()
+    for n in range(3):
+        assert queue.push(ticket("a", n=n), 3) is None
+    newcomer = ticket("b", n=0)
+    assert queue.push(newcomer, 2) is newcomer  # a reload lowered the depth to 2
+    assert len(queue) == 3
+    queue.pop()
+    queue.pop()
+    assert queue.push(newcomer, 2) is None

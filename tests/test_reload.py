@@ -1,21 +1,26 @@
 """A reload takes effect for every section of the config, observed from outside where it can
 be; the few settings read only at start (listen address, drain time, the state store) are
-named in the reload's log line instead."""
+named in the reload's log line instead. A request in flight keeps the snapshot it started
+with; the background stages follow the one in force."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from kvgate.app import RESTART_ONLY, reload
-from kvgate.config import Config
-from tests.plugins.gateway import RunningGateway, gateway_config
+from kvgate.config import Config, parse_config
+from tests.plugins.gateway import RunningGateway, StubUpstream, gateway_config
+from tests.tenants.support import eventually
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {**CHAT, "stream": True}
 
 
 @pytest.fixture
@@ -29,8 +34,6 @@ def again(gw: RunningGateway, **sections: Any) -> Config:
     """The running config with `sections` replaced, reloaded."""
     tree = gw.gateway.runtime.config.model_dump(mode="json", exclude_none=True)
     tree.update(sections)
-    from kvgate.config import parse_config
-
     config = parse_config(tree)
     assert reload(gw.app, lambda: config) is True
     return config
@@ -44,30 +47,54 @@ async def post(gw: RunningGateway, body: Any, headers: dict[str, str] | None = N
         return resp.status
 
 
+async def answer(gw: RunningGateway, body: Any) -> tuple[int, bytes, dict[str, str]]:
+    async with aiohttp.ClientSession() as http, http.post(
+        f"{gw.url}/v1/chat/completions", json=body
+    ) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
+
+
 async def test_server_body_limit_and_headers_change_at_once(running):
     gw, _, _ = running
     again(gw, server={"max_body_bytes": 64, "accounting_headers": False})
     assert await post(gw, {**CHAT, "padding": "x" * 200}) == 413
 
 
-async def test_timeouts_routing_calibration_and_admission_take_effect(running):
+async def test_timeouts_take_effect_for_the_next_request(running):
+    gw, first, _ = running
+    first.delay_headers_s = 0.5
+    assert await post(gw, CHAT) == 200  # within the 10 s it started with
+    again(gw, timeouts={"connect_s": 1, "first_byte_s": 0.1, "idle_s": 4, "total_s": 5})
+    assert await post(gw, CHAT) == 504
+
+
+async def test_routing_takes_effect(running):
+    gw, first, second = running
+    # the same chat again and again: prefix affinity keeps it on one replica, round robin not
+    again(gw, pools={"default": {"replicas": [{"url": first.url}, {"url": second.url}]}},
+          routing={"scorers": {"round_robin": 1}})
+    await gw.wait_healthy()
+    for _ in range(4):
+        assert await post(gw, CHAT) == 200
+    assert len(first.received) == len(second.received) == 2
+
+
+async def test_calibration_bounds_take_effect(running):
+    gw, _, _ = running
+    chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
+    _, _, before = await answer(gw, chat)
+    again(gw, calibration={"min_ratio": 3, "max_ratio": 4})
+    _, _, after = await answer(gw, chat)
+    # at least 3 of kvgate's counted tokens per text token now, at most 1.5 before
+    assert int(after["X-Kvgate-Prompt-Tokens"]) > int(before["X-Kvgate-Prompt-Tokens"]) + 300
+
+
+async def test_admission_takes_effect(running):
     gw, _, _ = running
     g = gw.gateway
-    await post(gw, CHAT)  # the default pool's queue exists from here on
-    again(
-        gw,
-        timeouts={"connect_s": 1, "first_byte_s": 3, "idle_s": 4, "total_s": 5},
-        routing={"scorers": {"round_robin": 1}},
-        calibration={"min_ratio": 0.9, "max_ratio": 1.1},
-        admission={"target_utilization": 0.5, "lease_ttl_s": 9,
-                   "queue": {"max_depth": 3}},
-    )
-    assert g.relay.timeouts.first_byte_s == 3
-    assert set(g.router._scorers) == {"round_robin"}
-    assert (g.calibration.low, g.calibration.high) == (0.9, 1.1)
-    assert g.admission._pool("default").queue.max_depth == 3
+    again(gw, admission={"target_utilization": 0.5, "lease_ttl_s": 9})
     assert g.admission.keeper.ttl_s == 9
-    (view,) = g.fleet()
+    (view,) = g.fleet(g.current())
     assert view.admissible_blocks == 500  # 0.5 × the stub's 1,000 blocks
 
 
@@ -91,7 +118,7 @@ async def test_pools_models_and_discovery_take_effect(running):
     assert await post(gw, CHAT) == 200
     assert second.received[-1]["max_tokens"] == 7 and not first.received
     again(gw, discovery={"interval_s": 0.1, "timeout_s": 1, "stale_after_s": 1e-6})
-    (view,) = gw.gateway.fleet()
+    (view,) = gw.gateway.fleet(gw.gateway.current())
     assert not view.scraped  # every scrape is now too old to trust
 
 
@@ -115,3 +142,107 @@ async def test_restart_only_settings_are_named_in_the_reload_log(running, caplog
     assert set(RESTART_ONLY) == {"server.host", "server.port", "server.drain_s", "state",
                                  "server.max_connections", "server.client_timeout_s",
                                  "server.admin.host", "server.admin.port"}
+
+
+# ---------------------------------------------------------------- in flight: its own snapshot
+
+
+async def test_a_request_queued_through_a_reload_is_forwarded_under_its_own_timeouts(
+    stub_factory, gateway_factory
+):
+    stub = await stub_factory(num_gpu_blocks=10, gate=asyncio.Event())  # 160 tokens
+    gw = await gateway_factory(gateway_config(
+        [stub.url], admission={"target_utilization": 1.0}  # first_byte_s 10
+    ))
+    body = {**CHAT, "max_tokens": 100}  # 7 of the 10 blocks: one at a time
+    holding = asyncio.ensure_future(answer(gw, {**body, "stream": True}))
+    await eventually(lambda: _received(stub, 1), what="the first request reached the replica")
+    queued = asyncio.ensure_future(answer(gw, body))
+    queue = gw.gateway.admission._pool("default").queue
+    await eventually(lambda: _queued(queue, 1), what="the second request queued")
+    again(gw, admission={"target_utilization": 1.0},
+          timeouts={"connect_s": 1, "first_byte_s": 0.1, "idle_s": 10, "total_s": 30})
+    stub.delay_headers_s = 0.5  # past the new first_byte_s, well within the old
+    assert stub.gate is not None
+    stub.gate.set()
+    assert [(await holding)[0], (await queued)[0]] == [200, 200]
+    # a request that starts after the reload has the new limit
+    assert (await answer(gw, body))[0] == 504
+
+
+async def test_a_request_in_flight_keeps_its_retry_across_a_reload(stub_factory, gateway_factory):
+    failing = await stub_factory(status=500, delay_headers_s=0.5)
+    healthy = await stub_factory()
+    # round robin alone takes replicas in the order of their names: the failing one first
+    gw = await gateway_factory(gateway_config(
+        [], pools={"default": {"replicas": [{"url": failing.url, "name": "a-failing"},
+                                            {"url": healthy.url, "name": "b-healthy"}]}},
+        routing={"scorers": {"round_robin": 1}, "retry": {"attempts": 1}},
+    ))
+    request = asyncio.ensure_future(post(gw, CHAT))
+    await eventually(lambda: _received(failing, 1), what="the request reached the failing replica")
+    again(gw, routing={"scorers": {"round_robin": 1}, "retry": {"attempts": 0}})
+    assert await request == 200  # retried elsewhere, as its own config allowed
+    assert len(healthy.received) == 1
+    # round robin's turn (two rankings later) is back at the failing replica, and a new request
+    # may not retry
+    assert await post(gw, CHAT) == 502
+    assert len(failing.received) == 2 and len(healthy.received) == 1
+
+
+async def _received(stub: StubUpstream, count: int) -> bool:
+    return len(stub.received) >= count
+
+
+# ---------------------------------------------------------------- background: the one in force
+
+
+async def test_a_lower_queue_depth_refuses_the_next_newcomer(stub_factory, gateway_factory):
+    stub = await stub_factory(num_gpu_blocks=10, gate=asyncio.Event())  # 160 tokens
+    gw = await gateway_factory(gateway_config(
+        [stub.url], admission={"target_utilization": 1.0, "queue": {"max_depth": 8}}
+    ))
+    body = {**STREAM, "max_tokens": 100}  # 7 of the 10 blocks: one at a time
+    running = asyncio.ensure_future(answer(gw, body))
+    await eventually(lambda: _received(stub, 1), what="the first request reached the replica")
+    waiting = asyncio.ensure_future(answer(gw, body))
+    queue = gw.gateway.admission._pool("default").queue
+    await eventually(lambda: _queued(queue, 1), what="the second request queued")
+    again(gw, admission={"target_utilization": 1.0, "queue": {"max_depth": 1}})
+    status, refused, _ = await answer(gw, body)
+    assert status == 429 and orjson.loads(refused)["error"]["code"] == "queue_full"
+    assert stub.gate is not None
+    stub.gate.set()  # nobody already queued was shed: both finish
+    assert [(await running)[0], (await waiting)[0]] == [200, 200]
+
+
+async def _queued(queue: Any, count: int) -> bool:
+    return len(queue) >= count
+
+
+async def test_leases_taken_under_a_shorter_ttl_are_renewed_in_time(stub_factory, gateway_factory):
+    stub = await stub_factory(gate=asyncio.Event())
+    gw = await gateway_factory(gateway_config([stub.url]))  # 30 s: renewed every 10 s
+    again(gw, admission={"lease_ttl_s": 1.0})
+    streaming = asyncio.ensure_future(answer(gw, STREAM))
+    await eventually(lambda: _received(stub, 1), what="the request reached the replica")
+    (replica,) = gw.gateway.registry
+    held = await gw.gateway.store.held(f"ledger:{replica.id}")
+    await asyncio.sleep(2.5)  # its lease would have expired 1 s after it was taken
+    assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
+    assert stub.gate is not None
+    stub.gate.set()
+    assert (await streaming)[0] == 200
+
+
+async def test_discovery_follows_a_shorter_interval_at_once(stub_factory, gateway_factory):
+    stub = await stub_factory()
+    gw = await gateway_factory(gateway_config([stub.url], discovery={"interval_s": 30}))
+    scraped = stub.scrapes
+    again(gw, discovery={"interval_s": 0.1})
+
+    async def scraped_again() -> bool:
+        return stub.scrapes >= scraped + 3
+
+    # the loop was 30 s from its next round; it follows the new interval within a second
+    await eventually(scraped_again, timeout_s=3.0, what="three rounds at the new interval")

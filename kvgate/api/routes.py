@@ -175,7 +175,7 @@ async def admin_replicas(request: web.Request) -> web.Response:
     """The fleet as routing and admission see it (the same snapshot the gauges export)."""
     gateway = request.app[GATEWAY]
     out = []
-    for view in gateway.fleet():
+    for view in gateway.fleet(gateway.runtime.config):
         replica = view.replica
         out.append({
             "id": view.id,

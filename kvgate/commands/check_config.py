@@ -7,8 +7,8 @@ import sys
 
 import yaml
 
-from kvgate.catalog import Catalog
 from kvgate.config import ConfigError, load_config, masked
+from kvgate.runtime import Runtime
 from kvgate.tokens import TokenizerError
 
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
-        Catalog().configure(config)  # tokenizers must load too
+        Runtime.load(config)  # tokenizers and scorers must load too, as at start
     except (ConfigError, TokenizerError) as exc:
         print(f"{args.file}: invalid\n{exc}", file=sys.stderr)
         return 2

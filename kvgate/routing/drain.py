@@ -7,11 +7,11 @@ loads the file.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 
+from kvgate.config import CurrentConfig
 from kvgate.errors import KvgateError
+from kvgate.intervals import pause
 from kvgate.replicas import Registry, Replica
 from kvgate.state.base import StateStore, StateStoreError
 
@@ -34,11 +34,9 @@ async def set_drain(store: StateStore, replica: Replica, draining: bool) -> None
     replica.drain_requested = draining  # after the store: the watcher then reads the same
 
 
-async def watch_drains(
-    store: StateStore, registry: Registry, interval_s: Callable[[], float]
-) -> None:
-    """Follow the fleet-wide drain flags until cancelled. A store that cannot be read leaves
-    every replica as it was."""
+async def watch_drains(store: StateStore, registry: Registry, current: CurrentConfig) -> None:
+    """Follow the fleet-wide drain flags, every `discovery.interval_s` of the config in force,
+    until cancelled. A store that cannot be read leaves every replica as it was."""
     while True:
         for replica in registry:
             try:
@@ -50,4 +48,4 @@ async def watch_drains(
                 log.warning("replica %s: %s (fleet-wide)", replica.id,
                             "draining" if flagged else "undrained")
                 replica.drain_requested = flagged
-        await asyncio.sleep(interval_s())
+        await pause(lambda: current().discovery.interval_s)

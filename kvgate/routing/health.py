@@ -10,7 +10,8 @@ client's problem, or a replica that answers but serves nothing useful). While op
 takes no new requests; half open it takes one trial request at a time, judged as soon as its
 answer's status arrives.
 Active checks (discovery's `/health`) mark a replica unhealthy on their own; the two combine in
-the router's filter. State is per instance: each kvgate learns from its own traffic.
+the router's filter. State is per instance: each kvgate learns from its own traffic. The
+circuits are every request's, so their settings (`routing.circuit`) are the config in force.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvgate.config import CurrentConfig
 
 CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
 STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # kvgate_replica_circuit_state
@@ -39,13 +42,11 @@ class Breakers:
 
     def __init__(
         self,
-        failure_threshold: Callable[[], int],
-        open_s: Callable[[], float],
+        current: CurrentConfig,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[str, str], None] = lambda replica, state: None,
     ) -> None:
-        self.failure_threshold = failure_threshold
-        self.open_s = open_s
+        self.current = current
         self.clock = clock
         self.on_change = on_change
         self._circuits: dict[str, _Circuit] = {}
@@ -54,7 +55,7 @@ class Breakers:
         circuit = self._circuits.get(replica_id)
         if circuit is None or circuit.opened_at is None:
             return CLOSED
-        if self.clock() - circuit.opened_at < self.open_s():
+        if self.clock() - circuit.opened_at < self.current().routing.circuit.open_s:
             return OPEN
         return HALF_OPEN
 
@@ -95,7 +96,7 @@ class Breakers:
             circuit.failures = 0
         elif failed:
             circuit.failures += 1
-            if circuit.failures >= self.failure_threshold():
+            if circuit.failures >= self.current().routing.circuit.failure_threshold:
                 circuit.opened_at = self.clock()
                 self.on_change(replica_id, OPEN)
 

@@ -64,25 +64,25 @@ class Ranking:
         return self.replicas
 
 
-def scorers_for(names: Mapping[str, float], deps: Deps) -> dict[str, Scorer]:
+def check_scorers(names: Mapping[str, float]) -> None:
+    """Raises ConfigError naming every scorer the routing config asks for that does not exist:
+    a config is refused for it at start and on reload, never found out by a request."""
     unknown = sorted(set(names) - set(SCORERS))
     if unknown:
         raise ConfigError([
             f"routing.scorers.{name}: unknown scorer (known: {', '.join(sorted(SCORERS))})"
             for name in unknown
         ])
-    return {name: SCORERS[name](deps) for name in names}
 
 
 class Router:
-    def __init__(self, deps: Deps, config: RoutingConfig) -> None:
-        self.deps = deps
-        self._scorers = scorers_for(config.scorers, deps)
+    """Ranks with the scorers the request's own routing config names (`rank`'s `config`), so a
+    reload never changes a ranking under a request in flight. Each scorer is built the first
+    time a config names it and kept across reloads, with its state (round robin's turn)."""
 
-    def configure(self, config: RoutingConfig) -> None:
-        """A reload: scorers that stay keep their state (round robin's turn)."""
-        fresh = scorers_for(config.scorers, self.deps)
-        self._scorers = {name: self._scorers.get(name, scorer) for name, scorer in fresh.items()}
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self._scorers: dict[str, Scorer] = {}
 
     @staticmethod
     def pool(model: str, chain: Sequence[str], fleet: Fleet) -> str:
@@ -102,9 +102,11 @@ class Router:
         sticky = None
         favourites = {}
         for name, weight in config.scorers.items():
-            scorer = self._scorers.get(name)
-            if scorer is None or not weight:
+            if not weight:
                 continue
+            scorer = self._scorers.get(name)
+            if scorer is None:  # names were checked with the config (check_scorers)
+                scorer = self._scorers[name] = SCORERS[name](self.deps)
             scores = await scorer.score(route, candidates, fleet, config)
             for i, value in enumerate(scores):
                 totals[i] += weight * min(1.0, max(0.0, value))

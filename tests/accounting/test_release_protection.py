@@ -21,6 +21,7 @@ from kvgate.protect import acquire, finish
 from kvgate.replicas import Replica
 from kvgate.state.memory import MemoryStore
 from kvgate.tenants import Budgets, tenant_key
+from tests.test_admission import whole
 
 
 class SlowReleases(MemoryStore):
@@ -60,10 +61,12 @@ def shared_demand(max_hold_s: float | None = None) -> Demand:
                   prefix_tokens=16 * 10, max_hold_s=max_hold_s)
 
 
+ADMISSION = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1))
+CONFIG = whole(ADMISSION)
+
+
 def admission(store: MemoryStore, keeper: LeaseKeeper | None = None) -> Admission:
-    config = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1))
-    return Admission(store, Metrics(), lambda: config, keeper or LeaseKeeper(store, 30.0),
-                     lambda: 10.0)
+    return Admission(store, Metrics(), lambda: CONFIG, keeper or LeaseKeeper(store, lambda: CONFIG))
 
 
 async def cancel_twice_while_releasing(task: asyncio.Task[Any], store: SlowReleases) -> None:
@@ -119,7 +122,7 @@ async def test_a_second_cancellation_during_the_ledger_release_still_frees_the_s
     r = replica()
 
     async def request() -> None:
-        async with gate.admit(shared_demand(), gate.in_order([r])) as slot:
+        async with gate.admit(shared_demand(), gate.in_order([r]), ADMISSION) as slot:
             assert slot.shared is not None and slot.shared.blocks == 9
             assert await store.held(ledger_key(r.id)) == 20
 
@@ -133,7 +136,7 @@ async def test_a_second_cancellation_during_the_ledger_release_still_frees_the_s
 
 async def test_a_second_cancellation_during_the_budget_refund_still_frees_the_concurrency_slot():
     store = SlowReleases()
-    budgets = Budgets(store, Metrics(), LeaseKeeper(store, 30.0))
+    budgets = Budgets(store, Metrics(), LeaseKeeper(store, lambda: CONFIG))
     tenant = TenantConfig(name="team", max_concurrent=2, tokens_per_minute=10_000)
 
     async def request() -> None:
@@ -159,11 +162,11 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
     now = [0.0]
     store = MemoryStore()
     dropped: list[str] = []
-    keeper = LeaseKeeper(store, 30.0, on_dropped=dropped.append, clock=lambda: now[0])
+    keeper = LeaseKeeper(store, lambda: CONFIG, on_dropped=dropped.append, clock=lambda: now[0])
     gate = admission(store, keeper)
     r = replica()
     # A request whose context is entered and never left: the leak the keeper must catch.
-    forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]))
+    forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]), ADMISSION)
     await forgotten.__aenter__()
     assert await store.held(ledger_key(r.id)) == 20
 

@@ -47,6 +47,7 @@ class StubUpstream:
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
     finished: int = 0
+    scrapes: int = 0  # GET /metrics answered
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -68,6 +69,7 @@ class StubUpstream:
              "max_model_len": self.max_model_len}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
         text = (
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvgate.routing.failover import trial_gate
 from kvgate.routing.health import CLOSED, HALF_OPEN, OPEN, Breakers
 from kvgate.routing.router import Ranking
+from tests.plugins.gateway import gateway_config
 from tests.routing.fleets import fleet, replica
 
 
@@ -17,8 +18,11 @@ class Clock:
         return self.now
 
 
+CONFIG = gateway_config(["http://a:8000"], routing={"circuit": {"failure_threshold": 3, "open_s": 10}})
+
+
 def breakers(clock: Clock, changes: list[tuple[str, str]]) -> Breakers:
-    return Breakers(lambda: 3, lambda: 10.0, clock, lambda r, s: changes.append((r, s)))
+    return Breakers(lambda: CONFIG, clock, lambda r, s: changes.append((r, s)))
 
 
 def trip(b: Breakers, replica_id: str = "a") -> None:

@@ -7,15 +7,22 @@ import pytest
 from kvgate.config import ConfigError, RoutingConfig
 from kvgate.errors import NoReplica
 from kvgate.metrics import Metrics
-from kvgate.routing.router import FILTERS, Router, fits_context, not_failed_before, routable
+from kvgate.routing.router import (
+    FILTERS,
+    Router,
+    check_scorers,
+    fits_context,
+    not_failed_before,
+    routable,
+)
 from kvgate.routing.scorers import Deps
 from kvgate.routing.sessions import Sessions
 from kvgate.state.memory import MemoryStore
 from tests.routing.fleets import fleet, replica, route
 
 
-def router(config: RoutingConfig, store: MemoryStore | None = None) -> Router:
-    return Router(Deps(Sessions(store or MemoryStore(), Metrics())), config)
+def router(store: MemoryStore | None = None) -> Router:
+    return Router(Deps(Sessions(store or MemoryStore(), Metrics())))
 
 
 def test_routable_excludes_unhealthy_draining_and_circuit_open_replicas():
@@ -39,7 +46,7 @@ async def test_rank_applies_every_filter_then_orders_by_weighted_score():
     config = RoutingConfig(scorers={"least_loaded": 1})
     f = fleet(replica("busy"), replica("idle"), replica("other-model", model="x"),
               replica("sick", healthy=False), reserved={"busy": 900})
-    ranking = await router(config).rank(route(), f, config)
+    ranking = await router().rank(route(), f, config)
     assert [v.id for v in ranking.replicas] == ["idle", "busy"]
     assert ranking.sticky is None
     assert len(FILTERS) == 4
@@ -51,7 +58,7 @@ async def test_a_bound_session_outweighs_load_and_is_held_for_its_affinity_wait(
     config = RoutingConfig()
     # busier, but within 1.25 × its half of the 510 blocks the pool would hold
     f = fleet(replica("busy"), replica("idle"), reserved={"busy": 300, "idle": 200})
-    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    ranking = await router(store).rank(route(session="chat-1"), f, config)
     assert [v.id for v in ranking.replicas] == ["busy", "idle"]
     assert ranking.sticky is not None and ranking.sticky.id == "busy"
     assert ranking.hold_s == config.sessions.affinity_wait_s
@@ -63,7 +70,7 @@ async def test_a_session_whose_replica_is_over_its_bounded_share_goes_elsewhere(
     await store.bind(Sessions.store_key("chat-1"), "hot", 60)
     config = RoutingConfig()
     f = fleet(replica("hot"), replica("cool"), reserved={"hot": 700, "cool": 100})
-    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    ranking = await router(store).rank(route(session="chat-1"), f, config)
     assert [v.id for v in ranking.replicas] == ["cool", "hot"]
     assert ranking.sticky is None and ranking.hold_s == 0
 
@@ -73,14 +80,14 @@ async def test_a_session_bound_to_a_drained_replica_goes_elsewhere():
     await store.bind(Sessions.store_key("chat-1"), "old", 60)
     config = RoutingConfig()
     f = fleet(replica("old", drain=True), replica("new"))
-    ranking = await router(config, store).rank(route(session="chat-1"), f, config)
+    ranking = await router(store).rank(route(session="chat-1"), f, config)
     assert [v.id for v in ranking.replicas] == ["new"]
     assert ranking.sticky is None
 
 
 async def test_round_robin_alone_takes_turns():
     config = RoutingConfig(scorers={"round_robin": 1})
-    r = router(config)
+    r = router()
     f = fleet(replica("a"), replica("b"))
     firsts = [(await r.rank(route(), f, config)).replicas[0].id for _ in range(4)]
     assert firsts == ["a", "b", "a", "b"]
@@ -89,7 +96,7 @@ async def test_round_robin_alone_takes_turns():
 async def test_no_candidate_is_an_empty_ranking_not_an_error():
     config = RoutingConfig()
     f = fleet(replica("sick", healthy=False))
-    assert (await router(config).rank(route(), f, config)).replicas == []
+    assert (await router().rank(route(), f, config)).replicas == []
 
 
 def test_pool_follows_the_overflow_chain_to_one_with_a_routable_replica():
@@ -103,14 +110,23 @@ def test_pool_follows_the_overflow_chain_to_one_with_a_routable_replica():
 
 def test_an_unknown_scorer_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match=r"routing\.scorers\.nearest"):
-        router(RoutingConfig(scorers={"nearest": 1}))
+        check_scorers(RoutingConfig(scorers={"nearest": 1}).scorers)
 
 
 async def test_a_reload_keeps_the_state_of_scorers_that_stay():
     config = RoutingConfig(scorers={"round_robin": 1})
-    r = router(config)
+    r = router()
     f = fleet(replica("a"), replica("b"))
     assert (await r.rank(route(), f, config)).replicas[0].id == "a"
     both = RoutingConfig(scorers={"round_robin": 1, "least_loaded": 0.01})
-    r.configure(both)
     assert (await r.rank(route(), f, both)).replicas[0].id == "b"
+
+
+async def test_each_ranking_uses_the_scorers_of_the_config_it_is_given():
+    # a request that started before a reload ranks under its own config, one after under the new
+    r = router()
+    f = fleet(replica("busy"), replica("idle"), reserved={"busy": 900})
+    before = RoutingConfig(scorers={"least_loaded": 1})
+    after = RoutingConfig(scorers={"round_robin": 1})
+    assert (await r.rank(route(), f, after)).replicas[0].id == "busy"  # round robin's first turn
+    assert [(await r.rank(route(), f, before)).replicas[0].id for _ in range(2)] == ["idle"] * 2
