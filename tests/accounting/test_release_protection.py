@@ -185,7 +185,7 @@ async def test_a_tenants_concurrency_lease_held_too_long_is_dropped_as_concurren
     now = [0.0]
     store = MemoryStore()
     dropped: list[str] = []
-    keeper = LeaseKeeper(store, 30.0, on_dropped=dropped.append, clock=lambda: now[0])
+    keeper = LeaseKeeper(store, lambda: CONFIG, on_dropped=dropped.append, clock=lambda: now[0])
     budgets = Budgets(store, Metrics(), keeper)
     tenant = TenantConfig(name="team", max_concurrent=2, tokens_per_minute=10_000)
     forgotten = budgets.charge(tenant, 1000, max_hold_s=60.0)

@@ -17,6 +17,7 @@ from kvgate.metrics import Metrics
 from kvgate.state.base import BucketLimit
 from kvgate.state.redis import RedisStore
 from kvgate.tenants import Budgets, tenant_key
+from tests.test_admission import whole
 
 pytestmark = pytest.mark.redis
 
@@ -41,7 +42,8 @@ class Counted:
 @pytest.fixture
 async def budgets(redis_url: str, key_prefix: str) -> AsyncIterator[Budgets]:
     store = RedisStore(redis_url, key_prefix=key_prefix, timeout_s=2.0)
-    yield Budgets(store, Metrics(), LeaseKeeper(store, 30.0))
+    config = whole()  # its lease TTL: 30 s
+    yield Budgets(store, Metrics(), LeaseKeeper(store, lambda: config))
     await store.close()
 
 
