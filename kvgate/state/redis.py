@@ -47,7 +47,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from kvgate.state.base import (
     BucketCorrection,
@@ -319,12 +319,34 @@ class RedisStore:
             _settle(call, reply)
 
     async def _pipeline(self, calls: list[_Call]) -> list[object]:
+        """One round trip: the commands written at once on a pooled connection, then their
+        replies read in order, an error reply in its call's place. (redis-py's Pipeline does
+        the same with ~50 µs more CPU per round trip: issue 14.) A broken connection is tried
+        once more on a fresh one, as redis-py's retry did — the stale connection a Redis
+        restart leaves; a timeout never is (the scripts may have run)."""
         self.round_trips += 1
         self.calls += len(calls)
-        pipe = self._redis.pipeline(transaction=False)
-        for call in calls:
-            pipe.execute_command(*call.command)
-        return list(await pipe.execute(raise_on_error=False))
+        for attempt in (1, 2):
+            connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+            try:
+                await connection.send_packed_command(
+                    connection.pack_commands([call.command for call in calls]),
+                    check_health=False,
+                )
+                replies: list[object] = []
+                for _ in calls:
+                    try:
+                        replies.append(await connection.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except BaseException as exc:
+                await connection.disconnect()  # half read: of no use to the next caller
+                if attempt == 2 or not isinstance(exc, RedisConnectionError):
+                    raise
+            finally:
+                await self._pool.release(connection)
+        raise AssertionError("unreachable")
 
 
 def _settle(call: _Call, reply: object) -> None:
