@@ -467,9 +467,8 @@ class Gateway:
             )
 
     def require_model(self, rt: Runtime, model: str) -> None:
-        known = {m.name for m in rt.config.models}
-        served = any(model in r.models for r in self.registry)
-        if model not in known and not served:
+        known = any(m.name == model for m in rt.config.models)
+        if not known and not any(model in r.models for r in self.registry):
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
                            param="model")
 

@@ -14,6 +14,7 @@ so one step can touch its concurrency pool and both buckets (one Redis Cluster s
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -322,8 +323,16 @@ class Budgets:
 
 
 def _limits(tenant: TenantConfig) -> tuple[BucketLimit | None, BucketLimit | None]:
-    tpm = BucketLimit(tenant.tokens_per_minute) if tenant.tokens_per_minute else None
-    rpm = BucketLimit(tenant.requests_per_minute) if tenant.requests_per_minute else None
+    return _bucket_limits(tenant.tokens_per_minute, tenant.requests_per_minute)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_limits(
+    tokens_per_minute: int | None, requests_per_minute: int | None
+) -> tuple[BucketLimit | None, BucketLimit | None]:
+    """(tokens, requests) per minute as buckets; the same few pairs request after request."""
+    tpm = BucketLimit(tokens_per_minute) if tokens_per_minute else None
+    rpm = BucketLimit(requests_per_minute) if requests_per_minute else None
     return tpm, rpm
 
 
