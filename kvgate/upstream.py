@@ -254,11 +254,19 @@ class Relay:
                         if end < 0:
                             continue
                         complete, buffer = buffer[: end + 2], buffer[end + 2 :]
-                    if b'"usage"' in complete:  # may need stripping: event by event
-                        out = self._filter(complete.split(b"\n\n"), outcome, client_wants_usage)
-                    else:  # relayed as received, in one write
+                    usage_at = complete.find(b'"usage"')
+                    if usage_at < 0:  # relayed as received, in one write
                         out = complete
                         self._count_tokens(complete, outcome)
+                    else:
+                        # the events before the first that mentions usage go as they are; from
+                        # there on, event by event (its usage may need stripping)
+                        start = complete.rfind(b"\n\n", 0, usage_at) + 2  # 1: the first
+                        head = complete[:start] if start > 1 else b""
+                        self._count_tokens(head, outcome)
+                        out = head + self._filter(
+                            complete[len(head):].split(b"\n\n"), outcome, client_wants_usage
+                        )
                     if out:
                         writing = True
                         await self._write(response, out, outcome)

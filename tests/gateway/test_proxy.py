@@ -123,6 +123,31 @@ async def test_usage_chunk_is_stripped_unless_the_client_asked(stub_factory, gat
     assert b'"usage":{"prompt_tokens":10,"completion_tokens":2' in asked
 
 
+async def test_a_whole_stream_in_one_read_keeps_its_tokens_and_loses_only_the_usage_event(
+    stub_factory, gateway_factory
+):
+    # vLLM under load can hand the proxy many events in one read, the usage event among them:
+    # the events before it go as they are, the usage event is stripped unless asked for.
+    stub = await stub_factory(chunks=40, one_write=True)
+    gw = await gateway_factory(gateway_config([stub.url]))
+    body = {**CHAT, "stream": True, "max_tokens": 40}
+    for asked in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if asked else {}
+        status, _, raw = await post(f"{gw.url}/v1/chat/completions", {**body, **extra})
+        assert status == 200
+        events = [e for e in raw.split(b"\n\n") if e]
+        texts = [orjson.loads(e[6:])["choices"][0]["delta"]["content"]
+                 for e in events if b'"delta"' in e]
+        assert texts == [f"tok{i} " for i in range(40)]
+        assert (b'"usage"' in raw) is asked
+        assert events[-1] == b"data: [DONE]"
+    async with aiohttp.ClientSession() as session, session.get(f"{gw.url}/metrics") as r:
+        text = await r.text()
+    completion = [line for line in text.splitlines()
+                  if line.startswith("kvgate_tenant_tokens_total") and 'kind="completion"' in line]
+    assert [float(line.rsplit(" ", 1)[1]) for line in completion] == [80.0]  # the usage, read
+
+
 async def test_client_disconnect_cancels_the_upstream_and_releases_the_ledger(
     stub_factory, gateway_factory
 ):

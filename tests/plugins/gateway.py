@@ -43,6 +43,7 @@ class StubUpstream:
     # Answer a non-streamed call 200 with exactly these bytes (e.g. invalid JSON).
     raw_body: bytes | None = None
     set_cookie: str | None = None  # a Set-Cookie header on every answer
+    one_write: bool = False  # a stream's events all in one write (the proxy reads them at once)
     received: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
@@ -114,6 +115,14 @@ class StubUpstream:
                           "total_tokens": prompt_tokens + n}})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        held: list[bytes] = []
+
+        async def send(data: bytes) -> None:
+            if self.one_write:
+                held.append(data)
+            else:
+                await response.write(data)
+
         try:
             for i in range(n):
                 if self.drop_after_chunks is not None and i >= self.drop_after_chunks:
@@ -127,7 +136,7 @@ class StubUpstream:
                 else:
                     chunk = {"id": "x", "object": "text_completion", "model": body["model"],
                              "choices": [{"index": 0, "text": f"tok{i} ", "finish_reason": None}]}
-                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await send(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if i == 0 and self.gate is not None:
                     await self.gate.wait()
                 if i == 0 and self.idle_after_first_chunk_s:
@@ -136,8 +145,10 @@ class StubUpstream:
                 usage = {"id": "x", "object": "chat.completion.chunk", "choices": [],
                          "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                    "total_tokens": prompt_tokens + n}}
-                await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
+                await send(b"data: " + orjson.dumps(usage) + b"\n\n")
+            await send(b"data: [DONE]\n\n")
+            if held:
+                await response.write(b"".join(held))
             await response.write_eof()
             self.finished += 1
         except asyncio.CancelledError:
