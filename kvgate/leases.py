@@ -17,6 +17,7 @@ own: they live while requests use them, and a dropped request lets go of its sha
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,7 +40,14 @@ class _Held:
 
 
 class LeaseKeeper:
-    """Renews the leases this instance holds, every ttl/3, until they are released."""
+    """Renews the leases this instance holds, every ttl/3, until they are released.
+
+    The TTL can change with a reload while leases live. Renewals use the TTL in force; the wait
+    before the next round is a third of the shortest TTL any live lease may still have: the
+    one of the last round, or a shorter one a lease was taken with since (a request queued
+    before the reload acquires with its own config's). So a longer TTL takes effect one round
+    later, and no lease outlives its last renewal by waiting on the new, longer interval.
+    """
 
     def __init__(
         self,
@@ -54,6 +62,7 @@ class LeaseKeeper:
         self._on_dropped = on_dropped  # called with the lease's kind ("ledger", "concurrency")
         self._clock = clock
         self._live: dict[str, dict[str, _Held]] = {}
+        self._shortest_ttl_s = math.inf  # the shortest TTL a live lease may have now
 
     @property
     def ttl_s(self) -> float:
@@ -68,11 +77,18 @@ class LeaseKeeper:
         max_age_s: float | None = None,
         on_stale: Callable[[], Awaitable[object]] | None = None,
         kind: str | None = None,
+        ttl_s: float | None = None,
     ) -> None:
         """`kind` names the lease in the dropped-leases metric; by default the pool name's
-        first word (`ledger:<replica>` → ledger)."""
+        first word (`ledger:<replica>` → ledger). `ttl_s`: what the lease was taken with (by
+        default the TTL in force)."""
         held = _Held(self._clock(), max_age_s, on_stale, kind or pool.partition(":")[0])
         self._live.setdefault(pool, {})[lease_id] = held
+        self._shortest_ttl_s = min(self._shortest_ttl_s, self.ttl_s if ttl_s is None else ttl_s)
+
+    def interval_s(self) -> float:
+        """The wait before the next round of renewals."""
+        return min(self.ttl_s, self._shortest_ttl_s) / 3
 
     def discard(self, pool: str, lease_id: str) -> None:
         leases = self._live.get(pool)
@@ -86,16 +102,18 @@ class LeaseKeeper:
 
     async def run(self) -> None:
         while True:
-            await pause(lambda: self.ttl_s / 3)
+            await pause(self.interval_s)
             await self.drop_stale()
             await self.renew_all()
 
     async def renew_all(self) -> None:
         ttl_s = self.ttl_s
+        before, self._shortest_ttl_s = self._shortest_ttl_s, ttl_s  # leases added meanwhile lower it
         for pool, leases in list(self._live.items()):
             try:
                 await self.store.renew(pool, list(leases), ttl_s)
             except (StateStoreError, KvgateError) as exc:
+                self._shortest_ttl_s = min(self._shortest_ttl_s, before)  # not renewed
                 # The next round retries; if the store stays away, the leases expire and
                 # other instances may admit onto this capacity: say so.
                 log.warning("could not renew %d leases on %s: %s", len(leases), pool, exc)

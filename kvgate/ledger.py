@@ -77,7 +77,7 @@ class Ledger:
                         self.prefixes.drop(shared)  # refused, failed or cancelled
                 if not shared.live:
                     return None
-                self.keeper.add(key, shared.lease_id)  # lives while requests share it
+                self.keeper.add(key, shared.lease_id, ttl_s=ttl)  # while requests share it
             elif shared.live and shared.blocks <= prefix_blocks:
                 shared.refs += 1
             else:
@@ -102,8 +102,7 @@ class Ledger:
         slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
                     ahead=demand.ahead_tokens or 0)
         self.keeper.add(
-            key, lease_id, max_age_s=demand.max_hold_s,
-            on_stale=lambda: on_stale(slot),
+            key, lease_id, max_age_s=demand.max_hold_s, on_stale=lambda: on_stale(slot), ttl_s=ttl,
         )
         return slot
 

@@ -184,7 +184,7 @@ class Budgets:
         if slot is not None and self.keeper is not None:
             self.keeper.add(
                 slot.lease.pool, slot.lease.lease_id, max_age_s=max_hold_s,
-                on_stale=lambda: self._free(charge), kind="concurrency",
+                on_stale=lambda: self._free(charge), kind="concurrency", ttl_s=slot.lease.ttl_s,
             )
         gauge = self.metrics.tenant_concurrency.labels(tenant.name)
         gauge.inc()

@@ -235,6 +235,25 @@ async def test_leases_taken_under_a_shorter_ttl_are_renewed_in_time(stub_factory
     assert (await streaming)[0] == 200
 
 
+async def test_a_longer_ttl_lets_no_lease_expire_before_its_next_renewal(
+    stub_factory, gateway_factory
+):
+    # Leases in flight were last renewed under 0.6 s; the reload makes it 6 s. Waiting the new
+    # interval (2 s) before renewing would let them lapse at 0.6 s, and never come back.
+    stub = await stub_factory(gate=asyncio.Event())
+    gw = await gateway_factory(gateway_config([stub.url], admission={"lease_ttl_s": 0.6}))
+    streaming = asyncio.ensure_future(answer(gw, STREAM))
+    await eventually(lambda: _received(stub, 1), what="the request reached the replica")
+    (replica,) = gw.gateway.registry
+    held = await gw.gateway.store.held(f"ledger:{replica.id}")
+    again(gw, admission={"lease_ttl_s": 6.0})
+    await asyncio.sleep(1.5)
+    assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
+    assert stub.gate is not None
+    stub.gate.set()
+    assert (await streaming)[0] == 200
+
+
 async def test_discovery_follows_a_shorter_interval_at_once(stub_factory, gateway_factory):
     stub = await stub_factory()
     gw = await gateway_factory(gateway_config([stub.url], discovery={"interval_s": 30}))
