@@ -18,12 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 MAX_PENDING_BYTES = 64 * 1024 * 1024
 # The writer gathers lines this long before writing them: it wakes (and takes the GIL from the
 # event loop) at most this often, not once per line (which cost 8% of the CPU per request).
 BATCH_S = 0.05
+# Each write is at most this many bytes, whole lines: a pipe writes that much atomically, so the
+# lines of `--workers N` processes sharing one stderr never splice into each other.
+PIPE_BUF = 4096
 
 
 class BatchingHandler(logging.Handler):
@@ -70,25 +74,45 @@ class BatchingHandler(logging.Handler):
                 lines, self._lines, self._pending = self._lines, [], 0
                 dropped, self.dropped = self.dropped, 0
                 closing = self._closing
-            try:
-                if dropped:
-                    lines.append(f"kvgate: {dropped} log lines dropped: the log stream was "
-                                 "blocked and the buffer full\n")  # fmt: skip
-                if lines:
-                    self.stream.write("".join(lines))
+            note = [f"kvgate: {dropped} log lines dropped: the log stream was blocked or "
+                    "failing\n"] if dropped else []  # fmt: skip
+            batch = note + lines
+            for written, chunk in _chunks(batch, PIPE_BUF):
+                try:
+                    self.stream.write(chunk)
                     self.stream.flush()
-            except (OSError, ValueError):  # the stream is gone (closed at exit): nowhere to say it
-                pass
+                except Exception:  # the stream failed (or is closed at exit): count, carry on
+                    lost = len(lines) + dropped if written == 0 else len(batch) - written
+                    with self._buffer_lock:
+                        self.dropped += lost
+                    break
             if closing:
                 return
 
     def close(self) -> None:
-        """Write what is buffered, then stop the writer."""
+        """Write what is buffered (waiting at most 5 s for a blocked stream), then stop the
+        writer. Again (logging's own shutdown calls it too): nothing."""
         with self._buffer_lock:
+            if self._closing:
+                return
             self._closing = True
         self._ready.set()
         self._writer.join(timeout=5.0)
         super().close()
+
+
+def _chunks(lines: list[str], limit: int) -> Iterator[tuple[int, str]]:
+    """Whole lines joined into pieces of at most `limit` bytes (a longer line alone), each with
+    the number of lines before it."""
+    start, size = 0, 0
+    for i, line in enumerate(lines):
+        n = len(line.encode())
+        if size and size + n > limit:
+            yield start, "".join(lines[start:i])
+            start, size = i, 0
+        size += n
+    if start < len(lines):
+        yield start, "".join(lines[start:])
 
 
 def write_logs_from_a_thread() -> list[logging.Handler]:
@@ -96,7 +120,8 @@ def write_logs_from_a_thread() -> list[logging.Handler]:
     returns the handlers replaced, for `restore`."""
     root = logging.getLogger()
     replaced = list(root.handlers)
-    root.handlers = [_batching(h) if isinstance(h, logging.StreamHandler) else h for h in replaced]
+    # a plain stream handler only (basicConfig's): file handlers reopen and rotate their files
+    root.handlers = [_batching(h) if type(h) is logging.StreamHandler else h for h in replaced]
     return replaced
 
 
