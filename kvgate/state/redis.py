@@ -25,8 +25,9 @@ the composite steps save the calls themselves. `round_trips` and `calls` count t
 /metrics.
 
 Timeouts are short (connect, read and waiting for a pooled connection), with one immediate retry
-on a fresh connection after a connection error, so a connection left stale by a Redis restart
-costs nothing; a dead Redis
+on a fresh connection when one breaks before the commands are written, so a connection left
+stale by a Redis restart costs nothing (a reply lost after they were written is never sent
+again: the script may have run); a dead Redis
 raises StateStoreError within a few timeouts instead of hanging a request. Every Redis failure
 becomes StateStoreError. The connection pool reconnects by itself when Redis comes back.
 """
@@ -321,18 +322,22 @@ class RedisStore:
     async def _pipeline(self, calls: list[_Call]) -> list[object]:
         """One round trip: the commands written at once on a pooled connection, then their
         replies read in order, an error reply in its call's place. (redis-py's Pipeline does
-        the same with ~50 µs more CPU per round trip: issue 14.) A broken connection is tried
-        once more on a fresh one, as redis-py's retry did — the stale connection a Redis
-        restart leaves; a timeout never is (the scripts may have run)."""
+        the same with ~50 µs more CPU per round trip: issue 14.) A connection that breaks
+        while the commands are written is tried once more on a fresh one — the stale
+        connection a Redis restart leaves; nothing ran. Once they are written, nothing is sent
+        again: a reply lost to a broken connection or a timeout may belong to a script that
+        ran, and a second `charge` or `settle` would count twice."""
         self.round_trips += 1
         self.calls += len(calls)
         for attempt in (1, 2):
             connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+            sent = False
             try:
                 await connection.send_packed_command(
                     connection.pack_commands([call.command for call in calls]),
                     check_health=False,
                 )
+                sent = True
                 replies: list[object] = []
                 for _ in calls:
                     try:
@@ -342,7 +347,7 @@ class RedisStore:
                 return replies
             except BaseException as exc:
                 await connection.disconnect()  # half read: of no use to the next caller
-                if attempt == 2 or not isinstance(exc, RedisConnectionError):
+                if sent or attempt == 2 or not isinstance(exc, RedisConnectionError):
                     raise
             finally:
                 await self._pool.release(connection)

@@ -265,3 +265,63 @@ async def test_a_release_is_announced_to_every_instance_watching(
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def test_a_reply_lost_after_the_commands_were_written_is_never_sent_again(
+    redis_store: RedisStore, redis_url: str, key_prefix: str
+) -> None:
+    # Two takes in one round trip; the connection breaks after the first reply. Both ran in
+    # Redis: sending them again on a fresh connection would take 4 units, not 2.
+    limit = BucketLimit(capacity=100, period_s=1_000_000)
+    await redis_store.peek("bucket", limit)  # bucket.lua loaded: no NOSCRIPT round on the way
+    host, port = redis_url.split("//", 1)[1].split("/", 1)[0].split(":")
+    connections = 0
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        redis_r, redis_w = await asyncio.open_connection(host, int(port))
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                redis_w.write(data)
+                await redis_w.drain()
+
+        task = asyncio.create_task(upstream())
+        try:
+            pending = b""
+            while data := await redis_r.read(65536):
+                if not first:
+                    client_w.write(data)
+                    await client_w.drain()
+                    continue
+                pending += data
+                if not pending.startswith(b"*"):  # the handshake's +OK lines pass
+                    client_w.write(pending)
+                    await client_w.drain()
+                    pending = b""
+                elif pending.count(b"\r\n") >= 16:  # both replies are in: 8 lines each
+                    cut = 0
+                    for _ in range(8):  # *4, :allowed, then 3 bulk strings of 2 lines
+                        cut = pending.index(b"\r\n", cut) + 2
+                    client_w.write(pending[:cut])
+                    await client_w.drain()
+                    client_w.transport.abort()
+                    return
+        finally:
+            task.cancel()
+            redis_w.close()
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    proxy_port = server.sockets[0].getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{proxy_port}/0", key_prefix=key_prefix, timeout_s=2.0)
+    try:
+        outcomes = await asyncio.gather(
+            store.take("bucket", 1, limit), store.take("bucket", 1, limit), return_exceptions=True
+        )
+        assert all(isinstance(o, StateStoreError) for o in outcomes)
+        assert (await redis_store.peek("bucket", limit)).remaining == 98
+    finally:
+        await store.close()
+        server.close()
