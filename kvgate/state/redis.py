@@ -25,9 +25,9 @@ the composite steps save the calls themselves. `round_trips` and `calls` count t
 /metrics.
 
 Timeouts are short (connect, read and waiting for a pooled connection), with one immediate retry
-on a fresh connection when one breaks before the commands are written, so a connection left
-stale by a Redis restart costs nothing (a reply lost after they were written is never sent
-again: the script may have run); a dead Redis
+on a fresh connection when one breaks before any reply came, so a connection left stale by a
+Redis restart costs nothing (once a reply came, the rest are never sent again: their scripts
+may have run); a dead Redis
 raises StateStoreError within a few timeouts instead of hanging a request. Every Redis failure
 becomes StateStoreError. The connection pool reconnects by itself when Redis comes back.
 """
@@ -323,22 +323,22 @@ class RedisStore:
         """One round trip: the commands written at once on a pooled connection, then their
         replies read in order, an error reply in its call's place. (redis-py's Pipeline does
         the same with ~50 µs more CPU per round trip: issue 14.) A connection that breaks
-        while the commands are written is tried once more on a fresh one — the stale
-        connection a Redis restart leaves; nothing ran. Once they are written, nothing is sent
-        again: a reply lost to a broken connection or a timeout may belong to a script that
-        ran, and a second `charge` or `settle` would count twice."""
+        before any reply came is tried once more on a fresh one: the stale connection a Redis
+        restart leaves, which the restarted server never ran anything on. Once a reply came,
+        nothing is sent again: the other replies lost to a broken connection (or a timeout)
+        may belong to scripts that ran, and a second `charge` or `settle` would count twice.
+        (The one case left: a Redis that dies after running the scripts and before answering
+        any — whose state, without persistence, died with it.)"""
         self.round_trips += 1
         self.calls += len(calls)
         for attempt in (1, 2):
             connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
-            sent = False
+            replies: list[object] = []
             try:
                 await connection.send_packed_command(
                     connection.pack_commands([call.command for call in calls]),
                     check_health=False,
                 )
-                sent = True
-                replies: list[object] = []
                 for _ in calls:
                     try:
                         replies.append(await connection.read_response())
@@ -347,7 +347,7 @@ class RedisStore:
                 return replies
             except BaseException as exc:
                 await connection.disconnect()  # half read: of no use to the next caller
-                if sent or attempt == 2 or not isinstance(exc, RedisConnectionError):
+                if replies or attempt == 2 or not isinstance(exc, RedisConnectionError):
                     raise
             finally:
                 await self._pool.release(connection)
