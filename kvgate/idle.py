@@ -20,6 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
+from typing import Literal
+
+# uvloop's timers fire on whole milliseconds, possibly a little before the time asked for: an
+# expiry this close counts as reached (otherwise the check re-arms itself at once, again and
+# again, until the clock ticks over).
+RESOLUTION_S = 0.001
 
 
 class IdleTimeout:
@@ -27,6 +33,7 @@ class IdleTimeout:
         self.idle_s = idle_s
         self.deadline = deadline  # the event loop's clock
         self.expired = False
+        self.reason: Literal["idle", "deadline"] | None = None  # why it expired
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._handle: asyncio.TimerHandle | None = None
@@ -42,11 +49,12 @@ class IdleTimeout:
 
     def _check(self) -> None:
         expiry = self._expiry()
-        if self._loop.time() < expiry:  # something moved since: wait for the next expiry
+        if self._loop.time() < expiry - RESOLUTION_S:  # something moved: wait for the next
             self._handle = self._loop.call_at(expiry, self._check)
             return
         self._handle = None
         self.expired = True
+        self.reason = "deadline" if self.deadline <= self._last + self.idle_s else "idle"
         assert self._task is not None
         self._task.cancel()
 

@@ -234,6 +234,7 @@ class Relay:
         buffer = b""
         loop = asyncio.get_running_loop()
         writing = False
+        limit: IdleTimeout | None = None
         try:
             # One idle timeout for the whole stream, both while reading from the replica and
             # while writing to the client (a client that stops reading holds no more than the
@@ -277,16 +278,16 @@ class Relay:
                 if out:
                     await self._write(response, out, outcome)
         except TimeoutError:
-            if writing and time.monotonic() < deadline:  # the client stopped reading
+            at_deadline = limit is not None and limit.reason == "deadline"
+            if writing and not at_deadline:  # the client stopped reading
                 outcome.client_disconnected = True
                 if request.transport is not None:
                     request.transport.abort()
                 return response
             outcome.upstream_failed = True
             await self._send_error(response, UpstreamTimeout(
-                f"replica {replica.id} sent nothing for {idle:g}s mid-stream"
-                if time.monotonic() < deadline
-                else f"replica {replica.id} exceeded the total time limit"
+                f"replica {replica.id} exceeded the total time limit" if at_deadline
+                else f"replica {replica.id} sent nothing for {idle:g}s mid-stream"
             ))
         except aiohttp.ClientError as exc:
             if outcome.client_disconnected:

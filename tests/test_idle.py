@@ -83,3 +83,38 @@ async def test_it_expires_after_the_last_touch_not_the_first():
             touched = loop.time()
             await asyncio.sleep(5)
     assert loop.time() - touched >= 0.14
+
+
+async def test_it_says_whether_the_idle_gap_or_the_deadline_ended_it():
+    loop = asyncio.get_running_loop()
+    for idle_s, deadline_s, reason in ((0.05, 60, "idle"), (10, 0.05, "deadline")):
+        with pytest.raises(TimeoutError):
+            async with IdleTimeout(idle_s, loop.time() + deadline_s) as idle:
+                await asyncio.sleep(5)
+        assert idle.reason == reason
+
+
+def test_under_uvloop_an_expiry_between_its_millisecond_ticks_does_not_spin():
+    # uvloop fires timers on whole milliseconds, possibly just before the time asked for; a
+    # check that re-armed itself whenever the clock still read "before" ran hundreds of times.
+    uvloop = pytest.importorskip("uvloop")
+    checks = 0
+    original = IdleTimeout._check
+
+    def counted(self: IdleTimeout) -> None:
+        nonlocal checks
+        checks += 1
+        original(self)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            async with IdleTimeout(10, loop.time() + 0.0304567):  # between two ticks
+                await asyncio.sleep(5)
+
+    IdleTimeout._check = counted  # type: ignore[method-assign]
+    try:
+        uvloop.run(main())
+    finally:
+        IdleTimeout._check = original  # type: ignore[method-assign]
+    assert checks <= 3
