@@ -208,6 +208,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                     )
         _store_gauges(gateway)
         gateway.prompts.export(config)  # the prompt fingerprints' gauges
+        gateway.export_calibration(config)
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
 

@@ -409,10 +409,9 @@ class Gateway:
                 prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
                 endpoint = count.fit_name(parsed.endpoint.name.lower())
                 limits = rt.config.calibration
-                if self.calibration.observe(
+                self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior, limits
-                ):
-                    self.export_calibration(parsed.model, endpoint, rt)
+                )  # its gauges follow once a second (export_calibration)
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             if outcome.done and not outcome.upstream_failed:
                 sequences = bound.prompts * parsed.sequences
@@ -433,15 +432,19 @@ class Gateway:
         info.charged_tokens = prompt + completion
         await self.budgets.settle(charge, prompt, completion)
 
-    def export_calibration(self, model: str, endpoint: str, rt: Runtime) -> None:
+    def export_calibration(self, config: Config) -> None:
+        """The fits' gauges, with the other gauges once a second (off the request path: a
+        fit refits on every 16th observation, its error moves on each)."""
         m, calibration = self.metrics, self.calibration
-        m.calibration.labels(model).set(calibration.ratio(model))
-        terms = calibration.terms(model, endpoint, Terms(), rt.config.calibration)
-        for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(), strict=True):
-            m.calibration_terms.labels(model, endpoint, name).set(value)
-        error = calibration.error(model, endpoint)
-        if error is not None:
-            m.token_estimate_error.labels(model, endpoint).set(error)
+        for model, endpoint, _ in calibration.items():
+            m.calibration.labels(model).set(calibration.ratio(model))
+            terms = calibration.terms(model, endpoint, Terms(), config.calibration)
+            for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(),
+                                   strict=True):  # fmt: skip
+                m.calibration_terms.labels(model, endpoint, name).set(value)
+            error = calibration.error(model, endpoint)
+            if error is not None:
+                m.token_estimate_error.labels(model, endpoint).set(error)
 
     def observe(
         self, info: RequestInfo, parsed: ParsedRequest, bound: Bound, slot: Slot, outcome: Outcome

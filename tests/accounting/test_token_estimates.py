@@ -8,9 +8,11 @@ from the first request (the configured prior) and after calibration has seen a f
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -30,6 +32,18 @@ async def send(client: openai.AsyncOpenAI, body: dict[str, Any]) -> tuple[int, i
     usage = raw.parse().usage
     assert usage is not None
     return int(raw.headers["x-kvgate-prompt-tokens"]), usage.prompt_tokens
+
+
+async def exported(url: str, name: str, within_s: float = 5.0) -> float | None:
+    """The gauge's value on /metrics once it appears (None if it does not within `within_s`)."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(int(within_s / 0.2)):
+            async with http.get(f"{url}/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    if line.startswith(name + "{"):
+                        return float(line.rsplit(" ", 1)[1])
+            await asyncio.sleep(0.2)
+    return None
 
 
 def errors(pairs: list[tuple[int, int]]) -> tuple[float, int]:
@@ -55,5 +69,8 @@ async def test_estimates_match_the_replicas_count_within_two_percent(
     assert cold_short <= BLOCK, f"cold start under-counts by {cold_short} tokens"
     assert warm_short <= BLOCK, f"under-counts by {warm_short} tokens after calibration"
     assert warm_error < 0.02, f"mean error {warm_error:.2%} after calibration"
+    # the fit's gauges follow off the request path, once a second
+    gauge = await exported(gw.url, "kvgate_tokenizer_estimate_error_ratio")
+    assert gauge is not None and abs(gauge) < 0.02, gauge
     print(f"{endpoint}: cold {cold_error:.2%} (short ≤ {cold_short}), "
           f"calibrated {warm_error:.2%} (short ≤ {warm_short})")
