@@ -96,7 +96,11 @@ async def test_every_ending_is_charged_what_the_replica_processed(books):
         charged, processed = await books.around(ending(books))
         assert processed > 0
         print(f"{ending.__name__}: charged {charged:.0f}, processed {processed}")
-        assert abs(charged - processed) <= 0.05 * processed, (
+        # An abandoned whole answer is charged the time the replica had at its observed pace:
+        # a real-time simulator on a loaded 2-core machine drifts from that pace by a few
+        # percent (6% seen once at load 2.5), where a refund or the worst case would be 90%+.
+        tolerance = 0.10 if ending is abandoned else 0.05
+        assert abs(charged - processed) <= tolerance * processed, (
             f"{ending.__name__}: charged {charged:.0f} tokens, the replica processed {processed}"
         )
 
