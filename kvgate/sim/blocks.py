@@ -2,9 +2,10 @@
 
 - Block 0 is the null block: never handed out, so `num_gpu_blocks - 1` blocks are usable and
   the usage gauge is `1 - free / (num_gpu_blocks - 1)`.
-- Free blocks sit in one LRU queue. A freed block keeps its hash (it is still a prefix-cache
+- Free blocks sit in one queue. A freed block keeps its hash (it is still a prefix-cache
   entry) until it is popped from the head of the queue for new tokens; only then is its hash
-  evicted. Cached blocks that no request holds therefore count as free.
+  evicted. Cached blocks that no request holds therefore count as free. Freed blocks with a
+  hash join the tail (LRU); freed blocks without one join the head, reused first.
 - A block is identified in the cache by a hash chained over its parent's hash and its own
   token ids, so one differing token changes that block and every block after it.
 """
@@ -108,15 +109,24 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
-        """Drop a reference on each block, in the order given; unheld ones join the queue tail.
+        """Drop a reference on each block, in the order given (first = evicted first).
 
-        Callers pass a request's blocks tail first, so the end of a chain is evicted before
-        its start.
+        As vLLM's `BlockPool.free_blocks`: unheld blocks that carry a hash join the tail of the
+        queue (LRU: a cached prefix stays as long as it can), unheld blocks without one go to
+        its head, to be reused first. Callers pass a request's blocks tail first, so the end of
+        a chain is evicted before its start.
         """
+        first: list[Block] = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    first.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(first):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
 
     def cache(self, block: Block, block_hash: int) -> None:
         if not self.enable_caching or block.block_hash is not None:

@@ -39,6 +39,10 @@ class SimConfig:
     max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"  # or "priority", as vLLM's --scheduling-policy
+    # A waiting request starts only when its whole prompt fits (vLLM's
+    # scheduler_reserve_full_isl, on by default since 0.2x); False: its first chunk.
+    reserve_full_prompt: bool = True
     # --- timing (simulated seconds) and the wall-clock scale
     step_overhead_s: float = 0.006
     prefill_token_s: float = 0.00008
@@ -93,6 +97,10 @@ class SimConfig:
                 raise ValueError(f"{name}: must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be within (0, 1]")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy: {self.scheduling_policy!r} is not one of fcfs, priority"
+            )
         if self.output_len_dist not in OUTPUT_LEN_DISTS:
             raise ValueError(
                 f"output_len_dist: {self.output_len_dist!r} is not one of {OUTPUT_LEN_DISTS}"

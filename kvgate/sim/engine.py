@@ -11,7 +11,8 @@ A step does what vLLM V1's `Scheduler.schedule()` and `update_from_output()` do:
 2. Only if nothing was preempted, waiting requests are admitted in order while the budget,
    `max_num_seqs` and blocks last; a head that does not fit blocks those behind it. A request
    first looks up its longest chain of cached prefix blocks (capped so one prompt token is
-   computed).
+   computed); it starts only if blocks for its whole prompt are free (vLLM's
+   `scheduler_reserve_full_isl`), though it is given blocks for this step's chunk only.
 3. Each request whose computed tokens caught up with its tokens samples one output token; it
    finishes at its drawn output length (`stop`) or at max_tokens (`length`), freeing its
    blocks tail first.
@@ -23,7 +24,6 @@ decode_seqs * decode_seq_s`.
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from kvgate.sim.request import (
     draw_output_len,
 )
 from kvgate.sim.text import FILLER_TOKEN_IDS
+from kvgate.sim.waiting import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -91,7 +92,7 @@ class Engine:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
-        self.waiting: deque[SimRequest] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
@@ -108,16 +109,26 @@ class Engine:
         now: float,
         *,
         ignore_eos: bool = False,
+        output_len: int | None = None,
+        priority: int = 0,
     ) -> SimRequest:
-        """Queue a request. Raises ContextLengthError as vLLM's 400; ValueError on a reused id."""
+        """Queue a request. Raises ContextLengthError as vLLM's 400; ValueError on a reused id.
+
+        `output_len`: the tokens it writes before its end-of-sequence (default: drawn from the
+        configured distribution, or max_tokens with `ignore_eos`). `priority`: lower runs first
+        under the priority policy; non-zero is refused under fcfs, as vLLM refuses it.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         cfg = self.config
         max_tokens = check_context_length(len(prompt_token_ids), max_tokens, cfg.max_model_len)
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        output_len = max_tokens
-        if not ignore_eos:
+        if priority and cfg.scheduling_policy != "priority":
+            raise ValueError("priority: non-zero priority needs scheduling_policy priority")
+        if ignore_eos:
+            output_len = max_tokens
+        elif output_len is None:
             output_len = draw_output_len(
                 self._rng,
                 max_tokens,
@@ -127,7 +138,7 @@ class Engine:
                 sigma=cfg.output_len_sigma,
             )
         request = SimRequest(
-            request_id, prompt_token_ids, max_tokens, output_len, now, self.block_size
+            request_id, prompt_token_ids, max_tokens, output_len, now, self.block_size, priority
         )
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -158,7 +169,7 @@ class Engine:
         scheduled, preempted = self._schedule(now)
         cfg = self.config
         prefill_tokens = decode_seqs = 0
-        for request, n in scheduled:
+        for request, n in scheduled.items():
             if n == 1 and request.num_output_tokens and request.num_computed_tokens + 1 == (
                 request.num_tokens
             ):
@@ -175,7 +186,7 @@ class Engine:
         end = now + cost
         outputs: list[TokenOutput] = []
         finished: list[SimRequest] = []
-        for request, n in scheduled:
+        for request, n in scheduled.items():
             request.num_computed_tokens += n
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk; no token yet
@@ -190,7 +201,7 @@ class Engine:
         return StepResult(
             now,
             cost,
-            {request.request_id: n for request, n in scheduled},
+            {request.request_id: n for request, n in scheduled.items()},
             prefill_tokens,
             decode_seqs,
             outputs,
@@ -198,10 +209,10 @@ class Engine:
             finished,
         )
 
-    def _schedule(self, now: float) -> tuple[list[tuple[SimRequest, int]], list[str]]:
+    def _schedule(self, now: float) -> tuple[dict[SimRequest, int], list[str]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[SimRequest, int]] = []
+        scheduled: dict[SimRequest, int] = {}
         preempted: list[str] = []
         index = 0
         while index < len(self.running) and budget > 0:
@@ -210,20 +221,40 @@ class Engine:
             if n <= 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, n, preempted):
-                break  # the request itself was the last one left to preempt
-            scheduled.append((request, n))
+            placed = True
+            while not self._allocate(request, n, [], 0):
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < index:
+                    index -= 1
+                budget += scheduled.pop(victim, 0)  # priority: an earlier one, unscheduled
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    placed = False
+                    break
+            if not placed:
+                if cfg.scheduling_policy == "priority":
+                    continue  # the requests after it rank higher and may still fit
+                break
+            scheduled[request] = n
             budget -= n
             index += 1
         if preempted:
             return scheduled, preempted
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hits, num_hit_tokens = self._lookup(request)
             n = min(request.num_tokens - num_hit_tokens, budget)
+            if cfg.reserve_full_prompt and not self._whole_prompt_fits(request, hits):
+                break
             if not self._allocate(request, n, hits, num_hit_tokens):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            if request.num_preemptions == 0:  # vLLM counts a request's first admission only
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += num_hit_tokens
             self.running.append(request)
             request.status = Status.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -231,24 +262,21 @@ class Engine:
                 request.first_scheduled_time = now
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
-            scheduled.append((request, n))
+            scheduled[request] = n
             budget -= n
         return scheduled, preempted
 
+    def _victim(self) -> SimRequest:
+        """Who is preempted when blocks run out: the newest running request under fcfs, the
+        largest (priority, arrival_time) under priority."""
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
     # ------------------------------------------------------------------ KV management
 
-    def _allocate_or_preempt(self, request: SimRequest, n: int, preempted: list[str]) -> bool:
-        """Preempt from the tail of the running list until `request` gets its blocks."""
-        while not self._allocate(request, n, [], 0):
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
-
     def _lookup(self, request: SimRequest) -> tuple[list[Block], int]:
-        """The longest chain of cached blocks for a request's tokens; counted as vLLM does."""
+        """The longest chain of cached blocks for a request's tokens (counted on admission)."""
         if not self.pool.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -258,10 +286,16 @@ class Engine:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.prefix_cache_queries += request.num_tokens
-        self.stats.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def _whole_prompt_fits(self, request: SimRequest, hits: list[Block]) -> bool:
+        """vLLM's admission gate (`scheduler_reserve_full_isl`, on by default): a waiting
+        request starts only if blocks for all its tokens are free now, not only for its first
+        chunk; cached hits nobody holds count against the free blocks they leave."""
+        tokens = min(request.num_tokens, self.config.max_model_len)
+        needed = -(-tokens // self.block_size) - len(request.blocks) - len(hits)
+        evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        return max(needed, 0) + evictable_hits <= self.pool.num_free_blocks
 
     def _allocate(
         self, request: SimRequest, n: int, hits: list[Block], num_hit_tokens: int
@@ -296,7 +330,7 @@ class Engine:
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
 
     # ------------------------------------------------------------------ outputs
 

@@ -96,6 +96,7 @@ class SimRequest:
         "num_preemptions",
         "num_prompt_tokens",
         "output_len",
+        "priority",
         "request_id",
         "status",
         "token_ids",
@@ -109,6 +110,7 @@ class SimRequest:
         output_len: int,
         arrival_time: float,
         block_size: int,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -118,6 +120,7 @@ class SimRequest:
         self.max_tokens = max_tokens
         self.output_len = min(output_len, max_tokens)
         self.arrival_time = arrival_time
+        self.priority = priority  # lower runs first, under the priority policy
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first scheduling (-1: not yet scheduled).

@@ -169,23 +169,26 @@ def test_requests_computing_the_same_prefix_in_one_step_share_it() -> None:
     assert e.stats.prefix_cache_hits == 16
 
 
-def test_eviction_reuses_least_recently_freed_blocks_and_chain_tails_first() -> None:
+def test_eviction_reuses_uncached_blocks_first_then_least_recently_freed_chain_tails() -> None:
     e = engine(num_gpu_blocks=7, max_model_len=24)  # blocks 1..6
     e.add_request("a", prompt(8), max_tokens=1, now=0.0)  # blocks 1, 2
     run_to_completion(e)
     assert e.pool.free_block_ids() == [3, 4, 5, 6, 2, 1]  # a's blocks freed tail first
     b = e.add_request("b", prompt(12, 5000), max_tokens=2, now=0.0)
     e.step(0.0)
-    e.step(0.0)  # its decode takes a 4th block
+    e.step(0.0)  # its decode takes a 4th block, 6, which never fills and has no hash
     assert [block.block_id for block in b.blocks] == []  # finished, freed
-    assert e.pool.free_block_ids() == [2, 1, 6, 5, 4, 3]
-    e.add_request("c", prompt(4, 6000), max_tokens=1, now=0.0)
-    e.step(0.0)  # c takes one block from the head: a's tail (2), evicting its hash
-    assert e.pool.free_block_ids() == [1, 6, 5, 4, 3, 2]
+    # as vLLM's BlockPool.free_blocks: the hashless block goes to the head, to be reused
+    # first; the cached ones join the tail, tail first
+    assert e.pool.free_block_ids() == [6, 2, 1, 5, 4, 3]
+    e.add_request("c", prompt(8, 6000), max_tokens=1, now=0.0)
+    e.step(0.0)  # c takes two blocks from the head: 6, then a's tail (2), evicting its hash
+    assert e.pool.evictions == 1
+    assert e.pool.free_block_ids() == [1, 5, 4, 3, 2, 6]
     again = e.add_request("again", prompt(8), max_tokens=1, now=0.0)
     e.step(0.0)
     assert again.num_cached_tokens == 4  # a's first block survived
-    assert e.pool.evictions == 1
+    assert e.pool.evictions == 2  # its second block came from the head: 5, b's last
 
 
 def test_prompt_plus_max_tokens_above_max_model_len_is_rejected() -> None:
@@ -262,3 +265,69 @@ def test_prompt_and_generation_token_counters_count_each_request_once() -> None:
     assert e.stats.prompt_tokens == 12  # recomputation after preemption is not recounted
     assert e.stats.generation_tokens == 36
     assert e.stats.finished == 3
+
+
+def test_a_waiting_request_starts_only_when_its_whole_prompt_fits_not_its_first_chunk() -> None:
+    # 16 usable blocks of 4 tokens; chunks of 8 tokens. "long" needs 12 blocks for its prompt.
+    e = engine(num_gpu_blocks=17, max_num_batched_tokens=8)
+    e.add_request("holder", prompt(24, 5000), max_tokens=8, now=0.0)  # 6 blocks, then more
+    for _ in range(3):
+        e.step(0.0)
+    e.add_request("long", prompt(48), max_tokens=1, now=0.0)
+    e.step(0.0)
+    # 10 blocks free, its first chunk would fit in 2: vLLM (scheduler_reserve_full_isl) waits
+    assert [r.request_id for r in e.waiting] == ["long"]
+    run_to_completion(e)
+    assert e.stats.num_preemptions == 0
+    first_chunk_only = engine(num_gpu_blocks=17, max_num_batched_tokens=8, reserve_full_prompt=False)
+    first_chunk_only.add_request("holder", prompt(24, 5000), max_tokens=8, now=0.0)
+    for _ in range(3):
+        first_chunk_only.step(0.0)
+    first_chunk_only.add_request("long", prompt(48), max_tokens=1, now=0.0)
+    first_chunk_only.step(0.0)
+    assert [r.request_id for r in first_chunk_only.running] == ["holder", "long"]
+
+
+def test_prefix_cache_counters_count_a_request_once_when_it_is_first_admitted() -> None:
+    e = engine(num_gpu_blocks=9, max_model_len=32)  # 8 usable blocks
+    e.add_request("big", prompt(28), max_tokens=4, now=0.0)  # 7 blocks for its prompt
+    e.step(0.0)
+    e.add_request("waits", prompt(12, 5000), max_tokens=1, now=0.0)
+    for _ in range(3):
+        e.step(0.0)  # "waits" is looked up and refused each step: no query is counted
+    assert e.stats.prefix_cache_queries == 28
+    run_to_completion(e)
+    assert e.stats.prefix_cache_queries == 28 + 12
+
+
+def test_priority_policy_orders_the_queue_by_priority_then_arrival() -> None:
+    e = engine(scheduling_policy="priority", max_num_seqs=1)
+    e.add_request("running", prompt(4), max_tokens=50, now=0.0)
+    e.step(0.0)
+    e.add_request("low", prompt(4, 2000), max_tokens=1, now=1.0, priority=5)
+    e.add_request("high_late", prompt(4, 3000), max_tokens=1, now=3.0, priority=0)
+    e.add_request("high_early", prompt(4, 4000), max_tokens=1, now=2.0, priority=0)
+    assert [r.request_id for r in e.waiting] == ["high_early", "high_late", "low"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_request_not_the_newest() -> None:
+    e = engine(scheduling_policy="priority", num_gpu_blocks=7, max_model_len=24)  # 6 blocks
+    e.add_request("low", prompt(7), max_tokens=12, now=0.0, priority=3)
+    e.add_request("high", prompt(7, 2000), max_tokens=12, now=1.0, priority=0)
+    preempted: list[str] = []
+    for _ in range(12):
+        preempted += e.step(0.0).preempted
+    assert preempted and set(preempted) == {"low"}  # fcfs would have taken "high", the newest
+
+
+def test_a_non_zero_priority_is_refused_under_fcfs_as_vllm_refuses_it() -> None:
+    with pytest.raises(ValueError, match="priority"):
+        engine().add_request("r", prompt(4), max_tokens=1, now=0.0, priority=1)
+
+
+def test_an_explicit_output_length_stops_the_request_there() -> None:
+    e = engine()
+    request = e.add_request("r", prompt(4), max_tokens=20, now=0.0, output_len=7)
+    run_to_completion(e)
+    assert request.num_output_tokens == 7
+    assert request.finish_reason is FinishReason.STOP
