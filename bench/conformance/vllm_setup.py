@@ -10,28 +10,29 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import torch  # noqa: E402  (vLLM's KV specs name a torch dtype)
-from vllm.config import (  # noqa: E402
+import torch
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager
+
+from conformance.shape import EngineShape
 
 EOS_TOKEN_ID = 2
 
@@ -51,19 +52,6 @@ MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": EOS_TOKEN_ID,
     "rms_norm_eps": 1e-5,
 }
-
-
-@dataclass(frozen=True)
-class EngineShape:
-    """The scheduler settings a trace runs under; the same values build kvgate's SimConfig."""
-
-    num_gpu_blocks: int = 257
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"  # or "priority"
 
 
 def model_dir() -> Path:
