@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conformance.sides import Side, SimSide, StepView
-from conformance.traces import Trace
+from conformance.sides import Side, SimSide, StepView, child_ids
+from conformance.traces import Trace, TraceRequest
 
 FIELDS = (
     "running", "waiting", "blocks_in_use", "preempted", "hits", "computed", "finished",
@@ -87,7 +87,7 @@ def _differences(v: StepView, s: StepView) -> list[tuple[str, object, object]]:
     if v.finished != s.finished:
         out.append(("finished", list(v.finished), list(s.finished)))
     if v.free_queue != s.free_queue:
-        at = next((i for i, (a, b) in enumerate(zip(v.free_queue, s.free_queue)) if a != b),
+        at = next((i for i, (a, b) in enumerate(zip(v.free_queue, s.free_queue, strict=False)) if a != b),
                   min(len(v.free_queue), len(s.free_queue)))  # fmt: skip
         out.append(("free_queue", v.free_queue[at : at + 8], s.free_queue[at : at + 8]))
     return out
@@ -104,13 +104,11 @@ def replay(
         result.finish_order[side.name] = []
         result.preemptions[side.name] = 0
         result.peak_blocks[side.name] = 0
-    arrivals: dict[int, list] = {}
+    arrivals: dict[int, list[TraceRequest]] = {}
     aborts: dict[int, list[str]] = {}
     for request in trace.requests:
         arrivals.setdefault(request.arrival_step, []).append(request)
         if request.abort_step is not None:
-            from conformance.sides import child_ids
-
             aborts.setdefault(request.abort_step, []).extend(child_ids(request))
     last_event = max([*arrivals, *aborts, 0])
     for step in range(trace.max_steps):

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conformance.harness import FIELDS, Replay, replay  # noqa: E402
-from conformance.sides import VllmSide  # noqa: E402
-from conformance.simplifications import SIMPLIFICATIONS  # noqa: E402
-from conformance.traces import TRACES, Trace, mixed  # noqa: E402
+from conformance.harness import FIELDS, Replay, replay
+from conformance.sides import VllmSide
+from conformance.simplifications import SIMPLIFICATIONS
+from conformance.traces import TRACES, Trace, mixed
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -62,7 +62,8 @@ def markdown(rows: list[dict], mixed_rows: list[dict], meta: dict) -> str:
         " order, and the free queue block by block. A cell is the number of steps on which"
         " that field differed.",
         "",
-        "| trace | exercises | requests | steps | " + " | ".join(FIELDS)
+        "| trace | exercises | requests | steps | "
+        + " | ".join(FIELDS)
         + " | preemptions | hit tokens | peak blocks | verdict |",
         "|---|---|---|---|" + "---|" * len(FIELDS) + "---|---|---|---|",
     ]
@@ -116,8 +117,10 @@ def main() -> int:
     )
     (args.out_dir / "conformance.md").write_text(markdown(rows, mixed_rows, meta))
     bad = [r["trace"] for r in (*rows, *mixed_rows) if not r["equal"]]
-    print(f"{len(rows) + len(mixed_rows) - len(bad)} of {len(rows) + len(mixed_rows)} traces equal"
-          + (f"; diverging: {', '.join(bad)}" if bad else ""))
+    print(
+        f"{len(rows) + len(mixed_rows) - len(bad)} of {len(rows) + len(mixed_rows)} traces equal"
+        + (f"; diverging: {', '.join(bad)}" if bad else "")
+    )
     return 0
 
 
