@@ -132,3 +132,44 @@ def replay(
         for name, vv, sv in _differences(v, s):
             result.divergences.append(Divergence(step, name, vv, sv))
     return result
+
+
+@dataclass
+class Run:
+    """One side alone, from the first arrival until it drained."""
+
+    side: str
+    iterations: int = 0
+    finish_order: list[str] = field(default_factory=list)
+    preemptions: int = 0
+    peak_blocks: int = 0
+    block_steps: int = 0  # blocks in use summed over iterations
+    hit_tokens: int = 0
+
+
+def run_alone(trace: Trace, side: Side) -> Run:
+    """Drive one side through a trace on its own (arrivals and aborts by iteration): for
+    sides whose steps do not line up one to one, compared in aggregate."""
+    result = Run(side.name)
+    arrivals: dict[int, list[TraceRequest]] = {}
+    aborts: dict[int, list[str]] = {}
+    for request in trace.requests:
+        arrivals.setdefault(request.arrival_step, []).append(request)
+        if request.abort_step is not None:
+            aborts.setdefault(request.abort_step, []).extend(child_ids(request))
+    last_event = max([*arrivals, *aborts, 0])
+    for step in range(trace.max_steps * 2):
+        for request in arrivals.get(step, ()):
+            side.add(request, step)
+        for request_id in aborts.get(step, ()):
+            side.abort(request_id)
+        if step > last_event and side.idle():
+            break
+        view = side.step()
+        result.iterations = step + 1
+        result.finish_order.extend(rid for rid, _ in view.finished)
+        result.preemptions += len(view.preempted)
+        result.peak_blocks = max(result.peak_blocks, view.blocks_in_use)
+        result.block_steps += view.blocks_in_use
+        result.hit_tokens = view.hit_tokens
+    return result

@@ -222,3 +222,91 @@ class VllmSide:
 
     def idle(self) -> bool:
         return not self.scheduler.has_requests()
+
+
+class AsyncVllmSide(VllmSide):
+    """vLLM's `AsyncScheduler` as `EngineCore.step_with_batch_queue` drives it (vLLM's
+    default on GPUs): two batches in flight, so step k+1 is scheduled before step k's tokens
+    are known, with a placeholder token per decoding request. One `step()` is one iteration
+    of that loop: schedule if it can, and take the oldest batch's output when the queue is
+    full or nothing more can be scheduled."""
+
+    name = "vllm-async"
+    QUEUE = 2  # VllmConfig.max_concurrent_batches with async scheduling
+
+    def __init__(self, shape: EngineShape) -> None:
+        from collections import deque
+
+        from conformance.vllm_setup import build_scheduler
+
+        super().__init__(shape)
+        self.scheduler = build_scheduler(shape, asynchronous=True)
+        self._queue: deque = deque()
+        self.batches = 0
+
+    def step(self) -> StepView:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        scheduler = self.scheduler
+        before = {rid: r.num_preemptions for rid, r in scheduler.requests.items()}
+        scheduled: dict[str, int] = {}
+        finished: list[tuple[str, str]] = []
+        done = False
+        if scheduler.has_requests():
+            output = scheduler.schedule()
+            scheduled = dict(output.num_scheduled_tokens)
+            if output.total_num_scheduled_tokens:
+                self.batches += 1
+            samples = {  # the output position each sampling request writes in this batch
+                rid: scheduler.requests[rid].num_computed_tokens
+                - scheduler.requests[rid].num_prompt_tokens
+                for rid in output.num_scheduled_tokens
+                if not scheduler.requests[rid].is_prefill_chunk
+            }
+            self._queue.appendleft((output, samples))
+            if len(self._queue) < self.QUEUE and (
+                output.total_num_scheduled_tokens or scheduler.has_requests()
+            ):
+                done = True
+        elif not self._queue:
+            done = True
+        if not done:
+            output, samples = self._queue.pop()
+            req_ids = list(output.num_scheduled_tokens)
+            runner = ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                sampled_token_ids=[
+                    [_token(samples[rid], self._stop[rid])] if rid in samples else []
+                    for rid in req_ids
+                ],
+            )
+            for outputs in scheduler.update_from_output(output, runner).values():
+                for item in outputs.outputs:
+                    if item.finish_reason is not None:
+                        finished.append((item.request_id, str(item.finish_reason)))
+                stats = outputs.scheduler_stats
+                if stats is not None and stats.prefix_cache_stats is not None:
+                    self._queries += stats.prefix_cache_stats.queries
+                    self._hits += stats.prefix_cache_stats.hits
+        running, waiting = scheduler.get_request_counts()
+        pool = scheduler.kv_cache_manager.block_pool
+        return StepView(
+            running=running,
+            waiting=waiting,
+            blocks_in_use=self.shape.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+            scheduled=scheduled,
+            preempted=tuple(
+                rid for rid, r in scheduler.requests.items()
+                if r.num_preemptions > before.get(rid, 0)
+            ),
+            finished=tuple(finished),
+            query_tokens=self._queries,
+            hit_tokens=self._hits,
+            computed={},
+            cached={},
+            free_queue=(),
+        )  # fmt: skip
+
+    def idle(self) -> bool:
+        return not self.scheduler.has_requests() and not self._queue

@@ -24,6 +24,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -67,7 +68,7 @@ def model_dir() -> Path:
 _MODEL_DIR: Path | None = None
 
 
-def vllm_config(shape: EngineShape) -> VllmConfig:
+def vllm_config(shape: EngineShape, *, asynchronous: bool = False) -> VllmConfig:
     scheduler = SchedulerConfig(
         max_num_seqs=shape.max_num_seqs,
         max_num_batched_tokens=shape.max_num_batched_tokens,
@@ -75,6 +76,7 @@ def vllm_config(shape: EngineShape) -> VllmConfig:
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         policy=shape.policy,  # type: ignore[arg-type]
+        async_scheduling=asynchronous,
     )
     model = ModelConfig(
         model=str(model_dir()),
@@ -98,9 +100,10 @@ def vllm_config(shape: EngineShape) -> VllmConfig:
     )
 
 
-def build_scheduler(shape: EngineShape) -> Scheduler:
-    """vLLM's own V1 scheduler over `shape.num_gpu_blocks` blocks (block 0 is the null block)."""
-    config = vllm_config(shape)
+def build_scheduler(shape: EngineShape, *, asynchronous: bool = False) -> Scheduler:
+    """vLLM's own V1 scheduler over `shape.num_gpu_blocks` blocks (block 0 is the null block);
+    `asynchronous`: its AsyncScheduler, as vLLM runs by default on GPUs."""
+    config = vllm_config(shape, asynchronous=asynchronous)
     kv_cache = KVCacheConfig(
         num_blocks=shape.num_gpu_blocks,
         kv_cache_tensors=[],
@@ -113,7 +116,8 @@ def build_scheduler(shape: EngineShape) -> Scheduler:
             )
         ],
     )
-    return Scheduler(
+    kind = AsyncScheduler if asynchronous else Scheduler
+    return kind(
         vllm_config=config,
         kv_cache_config=kv_cache,
         structured_output_manager=StructuredOutputManager(config),
