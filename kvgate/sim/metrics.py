@@ -23,6 +23,7 @@ from kvgate.sim.request import FinishReason, SimRequest
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"
+VLLM_ONLY_FINISH_REASONS = ("error", "repetition")
 
 # vLLM's bucket bounds (vllm/v1/metrics/buckets.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -161,6 +162,10 @@ class SimMetrics:
             registry=self.registry,
         )
         self._success = {reason: success.labels(*values, reason.value) for reason in FinishReason}
+        # vLLM starts with a series for each of its finish reasons; the simulator never
+        # finishes a request with these two.
+        for reason in VLLM_ONLY_FINISH_REASONS:
+            success.labels(*values, reason)
 
     def observe_step(self, result: StepResult) -> None:
         self._h["iteration_tokens"].observe(result.num_prefill_tokens + result.num_decode_seqs)
