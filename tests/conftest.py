@@ -6,10 +6,10 @@ this suite's virtualenv has none, so it does not collect them.
 
 import importlib.util
 
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]
-
 pytest_plugins = [
     "tests.plugins.redis_server",
     "tests.plugins.sim",
     "tests.plugins.gateway",
 ]
+
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]

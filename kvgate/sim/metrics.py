@@ -4,7 +4,8 @@ Names, types and labels follow vLLM V1 (see /work/shared/vllm-reference.md §1):
 carries `model_name` and `engine="0"`, except `vllm:cache_config_info`, which carries the cache
 configuration as labels and no `model_name`. Gauges and the engine's counters are read from
 the engine when scraped; histograms and `vllm:request_success_total` are observed as tokens
-and requests finish. Times are simulated seconds.
+and requests finish. Times are simulated seconds. tests/conformance/test_metrics.py checks
+the names, types, labels, buckets and help strings against the installed vLLM's own.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from kvgate.sim.request import FinishReason, SimRequest
 
 LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"
+VLLM_ONLY_FINISH_REASONS = ("error", "repetition")
 
-# vLLM's bucket bounds.
+# vLLM's bucket bounds (vllm/v1/metrics/buckets.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -90,11 +92,11 @@ class _EngineCollector(Collector):
 
     def _cache_config_info(self) -> GaugeMetricFamily:
         cfg = self._config
+        # vLLM's labels are its CacheConfig's fields, which change between releases: these are
+        # a subset of the installed vLLM's, with its values (tests/conformance checks both).
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto" if cfg.kv_dtype_bytes == 2 else "fp8",
-            "calculate_kv_scales": "False",
-            "cpu_offload_gb": "0",
             "enable_prefix_caching": str(cfg.enable_prefix_caching),
             "engine": ENGINE_INDEX,
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
@@ -102,9 +104,8 @@ class _EngineCollector(Collector):
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(cfg.num_gpu_blocks),
             "num_gpu_blocks_override": "None" if cfg.model_preset else str(cfg.num_gpu_blocks),
-            "prefix_caching_hash_algo": "builtin",
+            "prefix_caching_hash_algo": "sha256",
             "sliding_window": "None",
-            "swap_space": "4",
         }
         gauge = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
@@ -161,6 +162,10 @@ class SimMetrics:
             registry=self.registry,
         )
         self._success = {reason: success.labels(*values, reason.value) for reason in FinishReason}
+        # vLLM starts with a series for each of its finish reasons; the simulator never
+        # finishes a request with these two.
+        for reason in VLLM_ONLY_FINISH_REASONS:
+            success.labels(*values, reason)
 
     def observe_step(self, result: StepResult) -> None:
         self._h["iteration_tokens"].observe(result.num_prefill_tokens + result.num_decode_seqs)
