@@ -21,13 +21,23 @@ Every term stays within bounds, so no odd response can move the estimate far; th
 rounded up. The ratio's bounds are the request's own `calibration` config, passed to every
 call: a reload that moves them applies to requests that start after it, and refits the fit at
 its next observation.
+
+Two guards keep a fit from running away on what it has not seen. The estimate never falls
+more than `max_undercount_tokens` (one block) below the raw count — the tokenizer's count
+plus the configured template overhead, the prior — however the fit extrapolates: a few chats
+of two or three messages cannot tell what a 300-message chat costs, and fitted alone they
+once put one at 713 tokens against vLLM's 1,803. `Terms.floored` says when the raw count won,
+so the gateway counts it. And once warm, a count more than `outlier_factor` away from the
+estimate is not folded in (a truncated prompt, a replica behind the wrong name), unless such
+counts keep coming: then the replica changed, and the fit follows.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvgate.config import CalibrationConfig
 
@@ -40,6 +50,19 @@ YOUNG_FIT = 64.0
 REFIT_EVERY = 16
 PER_MESSAGE_BOUNDS = (0.0, 64.0)
 PER_REQUEST_BOUNDS = (-8.0, 2048.0)
+# Outliers are rejected once the fit weighs this many observations...
+OUTLIER_WARM = 16.0
+# ...unless this many come in a row: then the replica's counting changed, and is learned.
+OUTLIER_RUN = 8
+
+
+class Observed(enum.Enum):
+    """What one observation did to the fit."""
+
+    IGNORED = "ignored"  # nothing to learn from (no count)
+    FOLDED = "folded"  # folded in; the terms refit later
+    REFIT = "refit"  # folded in and the terms refitted
+    OUTLIER = "outlier"  # too far from the estimate: left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +82,34 @@ class Terms:
     ratio: float = 1.0
     per_message: float = 0.0
     per_request: float = 0.0
+    # The raw count's terms: no estimate falls more than `margin` tokens below them.
+    floor: tuple[float, float, float] | None = None
+    margin: int = 0
 
     def estimate(self, features: Features) -> int:
-        value = (
-            self.ratio * features.text_tokens
-            + self.per_message * features.messages
-            + self.per_request * features.prompts
+        own = _affine(self.vector(), features)
+        if self.floor is None:
+            return own
+        return max(own, _affine(self.floor, features) - self.margin)
+
+    def floored(self, features: Features) -> bool:
+        """True when the raw count overrode the fit for these features."""
+        return self.floor is not None and (
+            _affine(self.vector(), features) < _affine(self.floor, features) - self.margin
         )
-        return max(0, math.ceil(value - 1e-6))
 
     def vector(self) -> tuple[float, float, float]:
         return (self.ratio, self.per_message, self.per_request)
+
+
+def _affine(terms: tuple[float, float, float], features: Features) -> int:
+    ratio, per_message, per_request = terms
+    value = (
+        ratio * features.text_tokens
+        + per_message * features.messages
+        + per_request * features.prompts
+    )
+    return max(0, math.ceil(value - 1e-6))
 
 
 @dataclass(slots=True)
@@ -83,6 +123,8 @@ class _Fit:
     error: float = 0.0  # decayed mean of (estimate − actual) / actual, before each refit
     actual_over_estimate: float = 1.0  # decayed mean, for the one-number gauge
     unfitted: int = 0  # observations folded in since the last refit
+    outliers: int = 0  # observations left out, since the fit started
+    outlier_run: int = 0  # outliers in a row
 
 
 class Calibration:
@@ -93,12 +135,16 @@ class Calibration:
         self._fits: dict[tuple[str, str], _Fit] = {}
 
     def terms(self, model: str, endpoint: str, prior: Terms, limits: CalibrationConfig) -> Terms:
+        """The terms to estimate with, floored at the raw count (`prior`, within `limits`)."""
         fit = self._fits.get((model, endpoint))
+        raw = _bounded(prior, limits)
         if fit is None:
-            return _bounded(prior, limits)
-        if fit.limits is not limits:  # fitted under other bounds: held to these until refitted
-            return _bounded(fit.terms, limits)
-        return fit.terms
+            terms = raw
+        elif fit.limits is not limits:  # fitted under other bounds: held to these until refit
+            terms = _bounded(fit.terms, limits)
+        else:
+            terms = fit.terms
+        return replace(terms, floor=raw.vector(), margin=limits.max_undercount_tokens)
 
     def estimate(
         self, model: str, endpoint: str, features: Features, prior: Terms,
@@ -109,16 +155,25 @@ class Calibration:
     def observe(
         self, model: str, endpoint: str, features: Features, actual: int, prior: Terms,
         limits: CalibrationConfig,
-    ) -> bool:
-        """Fold in one request's true `prompt_tokens`; True when the terms were refitted."""
+    ) -> Observed:
+        """Fold in one request's true `prompt_tokens`, unless it is an outlier."""
         if actual <= 0 or features.text_tokens < 0:
-            return False
+            return Observed.IGNORED
         fit = self._fits.get((model, endpoint))
         if fit is None or fit.prior != prior:  # a reload that changes the prior starts afresh
             fit = self._fits[(model, endpoint)] = _Fit(prior, limits, _bounded(prior, limits))
         moved = fit.limits is not limits  # a reload moved the bounds: refit within the new ones
         fit.limits = limits
-        estimated = fit.terms.estimate(features)
+        estimated = self.terms(model, endpoint, prior, limits).estimate(features)
+        if fit.weight >= OUTLIER_WARM and estimated > 0:
+            off = actual / estimated
+            if not 1 / limits.outlier_factor <= off <= limits.outlier_factor:
+                fit.outlier_run += 1
+                if fit.outlier_run <= OUTLIER_RUN:
+                    fit.outliers += 1
+                    return Observed.OUTLIER
+            else:
+                fit.outlier_run = 0
         fit.error = _decayed(fit.error, (estimated - actual) / actual, fit.weight)
         if estimated > 0:
             fit.actual_over_estimate = _decayed(
@@ -132,9 +187,14 @@ class Calibration:
         fit.weight = DECAY * fit.weight + 1.0
         fit.unfitted += 1
         if fit.weight >= YOUNG_FIT and fit.unfitted < REFIT_EVERY and not moved:
-            return False
+            return Observed.FOLDED
         fit.terms, fit.unfitted = _refit(fit), 0
-        return True
+        return Observed.REFIT
+
+    def outliers(self, model: str, endpoint: str) -> int:
+        """Observations left out as outliers since the fit started."""
+        fit = self._fits.get((model, endpoint))
+        return 0 if fit is None else fit.outliers
 
     def error(self, model: str, endpoint: str) -> float | None:
         """Recent mean of (estimate − actual) / actual: negative means under-counting."""
@@ -193,7 +253,8 @@ def _solve_bounded(
             rest = b[i] - sum(a[i][j] * x[j] for j in range(3) if j != i)
             lo, hi = bounds[i]
             value = min(hi, max(lo, rest / a[i][i]))
-            moved = max(moved, abs(value - x[i]) / (hi - lo))
+            if hi > lo:  # a pinned term (min_ratio == max_ratio) never moves
+                moved = max(moved, abs(value - x[i]) / (hi - lo))
             x[i] = value
         if moved < 1e-9:
             break

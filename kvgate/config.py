@@ -229,8 +229,22 @@ class AdmissionConfig(_Model):
 
 
 class CalibrationConfig(_Model):
+    # Bounds of the fitted tokens-per-text-token ratio; equal bounds pin it.
     min_ratio: PositiveFloat = 0.8
     max_ratio: PositiveFloat = 1.5
+    # No estimate falls more than this below the raw count (the tokenizer's count plus the
+    # template overhead), however the fit extrapolates: one block at vLLM's default size.
+    max_undercount_tokens: int = Field(16, ge=0)
+    # Once warm, a count this many times above or below the estimate is not learned from.
+    outlier_factor: float = Field(3.0, gt=1.0)
+
+    @model_validator(mode="after")
+    def _ratio_range(self) -> CalibrationConfig:
+        if self.min_ratio > self.max_ratio:
+            raise ValueError(
+                f"min_ratio ({self.min_ratio}) must not exceed max_ratio ({self.max_ratio})"
+            )
+        return self
 
 
 class DiscoveryConfig(_Model):

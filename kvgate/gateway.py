@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvgate.admission import Admission, Ranker
-from kvgate.calibration import Calibration, Terms
+from kvgate.calibration import Calibration, Observed, Terms
 from kvgate.catalog import Bound, bound_worst_case, upstream_payload
 from kvgate.config import Config, CurrentConfig, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
@@ -305,7 +305,10 @@ class Gateway:
     def terms(self, rt: Runtime, parsed: ParsedRequest, count: PromptCount) -> Terms:
         prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
         endpoint = count.fit_name(parsed.endpoint.name.lower())
-        return self.calibration.terms(parsed.model, endpoint, prior, rt.config.calibration)
+        terms = self.calibration.terms(parsed.model, endpoint, prior, rt.config.calibration)
+        if terms.floored(count.features):  # the fit would have counted it short: raw count won
+            self.metrics.calibration_floored.labels(parsed.model, endpoint).inc()
+        return terms
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
@@ -409,9 +412,11 @@ class Gateway:
                 prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
                 endpoint = count.fit_name(parsed.endpoint.name.lower())
                 limits = rt.config.calibration
-                self.calibration.observe(
+                observed = self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior, limits
                 )  # its gauges follow once a second (export_calibration)
+                if observed is Observed.OUTLIER:
+                    self.metrics.calibration_outliers.labels(parsed.model, endpoint).inc()
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             if outcome.done and not outcome.upstream_failed:
                 sequences = bound.prompts * parsed.sequences

@@ -227,6 +227,15 @@ class Metrics:
             "term is ratio (per text token), per_message or per_request.",
             ["model", "endpoint", "term"], registry=r,
         )
+        self.calibration_floored = Counter(
+            "kvgate_calibration_floored", "Estimates where the fit would have counted more "
+            "than max_undercount_tokens below the raw count (tokenizer plus template "
+            "overhead), so the raw count was used.", ["model", "endpoint"], registry=r,
+        )
+        self.calibration_outliers = Counter(
+            "kvgate_calibration_outliers", "vLLM prompt_tokens counts left out of the fit: more "
+            "than outlier_factor away from the estimate.", ["model", "endpoint"], registry=r,
+        )
         self.token_estimate_error = Gauge(
             "kvgate_tokenizer_estimate_error_ratio", "Recent mean of (estimate − vLLM's "
             "prompt_tokens) ÷ prompt_tokens; negative means kvgate under-counts.",
