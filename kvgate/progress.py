@@ -39,14 +39,22 @@ def written_tokens(
     """What a request about to be sent to `replica` will have written there at any moment
     (prompt + output, all sequences): for a stream, the tokens relayed; for a whole answer,
     what the replica's decode clock advanced since it was sent, within max_tokens (until the
-    clock runs, the estimate the charge uses)."""
+    clock runs, the estimate the charge uses). Always between the prompt and the worst case,
+    and never less than an earlier reading."""
     start = replica.decode_clock.now()
+    sequences = bound.prompts * parsed.sequences
+    worst = bound.prompt_tokens + bound.max_tokens * sequences
+    high = bound.prompt_tokens
 
     def written() -> int:
+        nonlocal high
         now = replica.decode_clock.now()
         if parsed.stream or outcome.sent_at is None or start is None or now is None:
-            return bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
-        output = min(bound.max_tokens, math.ceil(now - start))
-        return bound.prompt_tokens + output * bound.prompts * parsed.sequences
+            value = bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
+        else:
+            output = min(bound.max_tokens, math.ceil(now - start))
+            value = bound.prompt_tokens + output * sequences
+        high = max(high, min(worst, value))
+        return high
 
     return written

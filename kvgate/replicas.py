@@ -80,6 +80,7 @@ class DecodeClock:
         self.rate: float | None = None  # per sequence, tokens/s, from the last two scrapes
         self._at: float | None = None
         self._generated: float | None = None
+        self._high = 0.0  # the highest reading given: a clock never runs back
 
     def observe(self, scrape: Scrape) -> None:
         generated, running = scrape.generation_tokens, scrape.running
@@ -94,11 +95,16 @@ class DecodeClock:
         self._at, self._generated = scrape.at, generated
 
     def now(self, at: float | None = None) -> float | None:
-        """The clock's reading at `at` (default: now); None until two scrapes have been seen."""
+        """The clock's reading at `at` (default: now); None until two scrapes have been seen.
+
+        Never less than a reading given before: extrapolating at the last rate can run ahead
+        of what the next scrape integrates (the rate fell, the replica restarted), and then
+        the clock holds still until the integral catches up rather than running back."""
         if self.rate is None or self._at is None:
             return None
         at = time.monotonic() if at is None else at
-        return self.tokens + self.rate * max(0.0, at - self._at)
+        self._high = max(self._high, self.tokens + self.rate * max(0.0, at - self._at))
+        return self._high
 
 
 def parse_vllm_metrics(text: str, at: float) -> Scrape:

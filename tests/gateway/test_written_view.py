@@ -112,3 +112,42 @@ def test_the_decode_clock_integrates_the_per_sequence_rate_and_survives_a_restar
     clock.observe(Scrape(at=2.0, generation_tokens=10, running=2))  # restarted: skip
     clock.observe(Scrape(at=3.0, generation_tokens=110, running=2))  # 50/s per sequence
     assert clock.now(3.0) == 100 + 50
+
+
+def test_the_decode_clock_never_runs_back_when_the_rate_falls_or_the_replica_restarts():
+    from kvgate.replicas import DecodeClock, Scrape
+
+    clock = DecodeClock()
+    clock.observe(Scrape(at=0.0, generation_tokens=0, running=1))
+    clock.observe(Scrape(at=1.0, generation_tokens=100, running=1))  # 100/s
+    assert clock.now(1.9) == 190  # extrapolated at 100/s
+    clock.observe(Scrape(at=2.0, generation_tokens=110, running=1))  # it slowed to 10/s
+    readings = [clock.now(2.0 + t / 10) for t in range(20)]
+    assert readings[0] == 190  # held, not 110
+    assert all(b >= a for a, b in zip(readings, readings[1:], strict=False))
+
+
+def test_the_written_view_of_a_whole_answer_stays_between_its_prompt_and_worst_case():
+    from kvgate.catalog import Bound
+    from kvgate.config import ReplicaConfig
+    from kvgate.progress import written_tokens
+    from kvgate.replicas import Replica, Scrape
+    from kvgate.requests import Endpoint, ParsedRequest
+    from kvgate.upstream import Outcome
+
+    replica = Replica(ReplicaConfig(url="http://127.0.0.1:1"), "pool")
+    clock = replica.decode_clock
+    clock.observe(Scrape(at=0.0, generation_tokens=0, running=1))
+    clock.observe(Scrape(at=1.0, generation_tokens=1000, running=1))
+    parsed = ParsedRequest(Endpoint.CHAT, {}, "m", False, False, 50, 1, None)
+    bound = Bound(prompt_tokens=300, max_tokens=50, worst_tokens=350, set_max_tokens=False)
+    outcome = Outcome()
+    outcome.sent_at = 0.0
+    written = written_tokens(parsed, bound, outcome, replica)
+    seen = [written()]
+    clock.observe(Scrape(at=2.0, generation_tokens=5, running=1))  # restarted: counters reset
+    seen.append(written())
+    clock.tokens += 10_000  # a clock far ahead: the answer still has at most max_tokens
+    seen.append(written())
+    assert all(300 <= value <= 350 for value in seen), seen
+    assert seen == sorted(seen)
