@@ -181,7 +181,7 @@ class ModelConfig(_Model):
     tokenizer: TokenizerConfig = TokenizerConfig()
     chat_template: ChatTemplateConfig = ChatTemplateConfig()
     default_max_tokens: PositiveInt = 1024
-    # Overrides the max_model_len the replicas report.
+    # Lowers the max_model_len the replicas report (used as is where they report none).
     max_model_len: PositiveInt | None = None
     # Tokens reserved for each non-text content part (an image, audio, a file): their true
     # cost depends on the model's encoder and the input's size, which kvgate cannot see.

@@ -56,6 +56,16 @@ from kvgate.tenants import Budgets, Charge, check_access
 from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
 
+def context_limit(configured: int | None, reported: int | None) -> int | None:
+    """The context a request is bounded by: what the pool's replicas report, or the model's
+    configured max_model_len where they report nothing. A configured value may lower theirs,
+    never raise it: a request beyond what any replica serves is the client's 400, not a 503
+    no_replica that clients retry."""
+    if configured is None or reported is None:
+        return configured or reported
+    return min(configured, reported)
+
+
 # How long a request's arrival snapshot of the fleet may serve its first ranking.
 FLEET_REUSE_S = 0.002
 
@@ -133,7 +143,7 @@ class Gateway:
         )
         bound = self.bound(
             parsed, count, terms, tenant, model,
-            model.max_model_len or fleet.max_model_len(parsed.model, info.pool),
+            context_limit(model.max_model_len, fleet.max_model_len(parsed.model, info.pool)),
         )
         info.prompt_tokens, info.max_tokens = bound.prompt_tokens, bound.max_tokens
         demand = self.demand(info.pool, parsed, tenant, bound, count, terms, rt.config)

@@ -329,3 +329,29 @@ async def test_a_known_field_of_the_wrong_type_is_refused_before_forwarding(
     status, _, raw = await target.post(CHAT, chat(temperature="hot"))
     assert status == 400
     assert openai_error(raw)["param"] == "temperature"
+
+
+async def test_a_configured_max_model_len_above_the_replicas_is_held_to_theirs() -> None:
+    """models[].max_model_len 16,384 over replicas that report 4,096: a request of 10,000
+    tokens is the client's mistake (400 context_length_exceeded), not a missing replica (a
+    503 the openai client would retry)."""
+    stub = StubUpstream()  # reports max_model_len 4096
+    stub.runner, stub.url = await serve_app(stub.app())
+    config = gateway_config([stub.url], models=[{"name": "stub-model", "max_model_len": 16384}])
+    app = build_app(config)
+    runner, url = await serve_app(app)
+    gw = RunningGateway(url, app, runner)
+    try:
+        await gw.wait_healthy()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{gw.url}{CHAT}", json=chat(max_tokens=10_000)) as r:
+                status, raw = r.status, await r.read()
+            assert status == 400, raw
+            assert openai_error(raw)["code"] == "context_length_exceeded"
+            assert "4096" in openai_error(raw)["message"]
+            async with session.post(f"{gw.url}{CHAT}", json=chat(max_tokens=4000)) as r:
+                assert r.status == 200, await r.read()
+        assert len(stub.received) == 1  # the refused one was never forwarded
+    finally:
+        await runner.cleanup()
+        await stub.runner.cleanup()
