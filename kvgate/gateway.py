@@ -56,6 +56,7 @@ from kvgate.tenants import Budgets, Charge, check_access
 from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
 
+
 def context_limit(configured: int | None, reported: int | None) -> int | None:
     """The context a request is bounded by: what the pool's replicas report, or the model's
     configured max_model_len where they report nothing. A configured value may lower theirs,
