@@ -353,6 +353,7 @@ class Admission:
             factor = self.overcommit.observe(
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
                 demand=replica.pool in waiting, waiting=scrape.waiting,
+                rejections=scrape.admission_rejections,
             )
             self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
         self.wake_all()
