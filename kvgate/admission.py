@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
+from kvgate.backpressure import Backpressure
 from kvgate.config import AdmissionConfig, Config, CurrentConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import NeverFits, NoReplica, RateLimited
@@ -73,6 +74,7 @@ class Admission:
         self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
+        self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
 
     def snapshot(
         self,
@@ -90,6 +92,7 @@ class Admission:
             circuit=circuit,
             overcommit=self.overcommit.factor,
             typical_blocks=self.p95_worst_case,
+            busy=self.backpressure.busy,
         )
 
     def in_order(self, replicas: Sequence[Replica]) -> Ranker:
@@ -109,17 +112,20 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, demand: Demand, rank: Ranker, config: AdmissionConfig
+        self, demand: Demand, rank: Ranker, config: AdmissionConfig, since: float | None = None
     ) -> AsyncIterator[Slot]:
         """Reserve the demand on the first replica of its ranking with room, now or from the
-        queue (ranked again on every attempt), under `config` (the request's own)."""
-        started = time.monotonic()
-        ranking = await rank(0.0)
+        queue (ranked again on every attempt), under `config` (the request's own). `since`:
+        when the request first asked (a replica refused it as busy since): its wait budget
+        runs from then."""
+        asked = time.monotonic()
+        started = asked if since is None else since
+        ranking = await rank(asked - started)
         candidates = [v.replica for v in ranking.replicas]
-        if not config.enabled:  # a plain proxy: the first candidate, nothing reserved
+        if not config.enabled:  # a plain proxy: the first candidate not busy, nothing reserved
             if not candidates:
                 raise NoReplica(f"no healthy replica in pool {demand.pool!r} serves this model")
-            yield Slot(candidates[0], "", 0, released=True)
+            yield Slot(self._not_busy(demand, ranking), "", 0, released=True)
             return
         self._check_can_ever_fit(demand, ranking.replicas, config)
         pool = self._pool(demand.pool)
@@ -130,9 +136,11 @@ class Admission:
             replica.id for ahead in pool.ahead_of(demand, candidates)
             for replica in ahead.payload.candidates
         )
-        slot = await self._try_place(demand, ranking, config, 0.0, waited_for)
+        slot = await self._try_place(
+            demand, ranking, config, time.monotonic() - started, waited_for
+        )
         if slot is None:
-            slot = await self._wait(pool, demand, rank, ranking, config, started)
+            slot = await self._wait(pool, demand, rank, ranking, config, started, asked - started)
         self.metrics.admissions.labels(
             demand.pool, slot.replica.id, "yes" if slot.queued else "no"
         ).inc()
@@ -145,6 +153,23 @@ class Admission:
             yield slot
         finally:
             await self._release(pool, slot)
+
+    def _not_busy(self, demand: Demand, ranking: Ranking) -> Replica:
+        """Without admission, the first replica that is not busy; 429 when all of them are."""
+        for view in ranking.replicas:
+            if not view.busy:
+                return view.replica
+        retry_after = min(self.backpressure.lapses_in(v.id) for v in ranking.replicas)
+        raise RateLimited(
+            f"every replica in pool {demand.pool!r} is busy (vLLM's queue limits)",
+            code="replicas_busy", retry_after_s=retry_after,
+        )
+
+    def refused_busy(self, slot: Slot, reason: str, config: AdmissionConfig) -> None:
+        """The replica's vLLM refused this slot's request as busy (`reason`: vLLM's): it takes
+        no more from this instance than it holds without it, until one ends or the backoff."""
+        self.backpressure.refused(slot.replica.id, config.busy_backoff_s)
+        self.metrics.replica_rejections.labels(slot.replica.id, reason).inc()
 
     def _check_can_ever_fit(
         self, demand: Demand, candidates: Sequence[ReplicaView], config: AdmissionConfig
@@ -189,6 +214,7 @@ class Admission:
                 on_stale=lambda stale: self._release(self._pool(demand.pool), stale),
             )
             if slot is not None:
+                self.backpressure.placed(view.id)
                 slot.queued_s = waited_s
                 return slot
         return None
@@ -201,10 +227,12 @@ class Admission:
         ranking: Ranking,
         config: AdmissionConfig,
         started: float,
+        waited_s: float = 0.0,
     ) -> Slot:
-        """Queue the demand until the dispatcher places it, within its class's wait budget.
-        One that could not start within the budget at the recent rate of releases is refused
-        at once: waiting it out would only miss its latency target later."""
+        """Queue the demand until the dispatcher places it, within its class's wait budget
+        less the `waited_s` it spent before a busy replica sent it back. One that could not
+        start within that at the recent rate of releases is refused at once: waiting it out
+        would only miss its latency target later."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Slot] = loop.create_future()
         waiter = Waiter(demand, rank, future, ranking, started, config)
@@ -221,8 +249,9 @@ class Admission:
                     self._queue_full_error(demand.pool, max_depth, shed.config)
                 )
         budget = config.queue.budget(demand.priority)
+        left = budget - waited_s  # what a busy replica that sent it back left of it
         expected = self.expected_wait(pool, ticket, config)
-        if expected is not None and expected > budget:
+        if expected is not None and expected > left:
             pool.queue.remove(ticket)
             raise RateLimited(
                 f"no KV capacity in pool {demand.pool!r} within this request's wait budget "
@@ -232,7 +261,7 @@ class Admission:
         self._observe_depth(demand.pool, pool)
         pool.wake.set()
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout(left):
                 return await asyncio.shield(future)
         except BaseException as exc:
             # Leaving without the slot (timeout, disconnect, shed): if the dispatcher placed
@@ -353,6 +382,7 @@ class Admission:
             factor = self.overcommit.observe(
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
                 demand=replica.pool in waiting, waiting=scrape.waiting,
+                rejections=scrape.admission_rejections,
             )
             self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
         self.wake_all()
@@ -370,6 +400,7 @@ class Admission:
         if slot.released:
             return
         slot.released = True  # mark first: release exactly once
+        self.backpressure.released(slot.replica.id)
         await finish(self._give_back(pool, slot))
 
     async def _give_back(self, pool: PoolQueue, slot: Slot) -> None:

@@ -173,6 +173,7 @@ async def _refresh_gauges(gateway: Gateway) -> None:
         ids = {view.id for view in fleet}
         gateway.breakers.forget(ids)
         gateway.admission.ledger.forget(ids)
+        gateway.admission.backpressure.forget(ids)
         for view in fleet:
             labels = (view.id, view.pool)
             total, admissible = view.num_gpu_blocks, view.admissible_blocks

@@ -224,6 +224,9 @@ class AdmissionConfig(_Model):
     target_utilization: float = Field(0.9, gt=0, le=1)
     # Hold admission to a replica whose scraped vllm:num_requests_waiting exceeds this.
     max_replica_waiting: int = Field(4, ge=0)
+    # A replica whose vLLM refused a request as busy (503 at --max-num-queued-reqs/-tokens)
+    # takes no more from this instance than it held then, until one of them ends or this long.
+    busy_backoff_s: PositiveFloat = 1.0
     queue: QueueConfig = QueueConfig()
     lease_ttl_s: PositiveFloat = 30.0
 

@@ -16,6 +16,8 @@
      │                                    concurrency: a tenant's limit, as OpenAI answers it
      └── ServerError                  5xx: kvgate or a replica could not serve
           ├── UpstreamError           502 the replica failed or answered 5xx
+          ├── ReplicaBusy             503 vLLM's queue limits refused it: the gateway sends the
+          │                               request elsewhere or queues it, never to the client
           ├── NoReplica               503 no healthy replica can take the request
           ├── StateStoreUnavailable   503 Redis is down and failure_mode is fail_closed
           └── UpstreamTimeout         504
@@ -175,6 +177,21 @@ class UpstreamError(ServerError):
     type = "upstream_error"
     code = "upstream_error"
     refusal_reason = "upstream_error"
+
+
+class ReplicaBusy(ServerError):
+    """The replica answered vLLM's overload 503 (`kvgate.backpressure`): backpressure from a
+    healthy replica, not a failure. `Gateway.serve` places the request again; a client only
+    ever sees kvgate's own 429 when no replica takes it within its wait budget."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "replica_busy"
+    refusal_reason = "replica_busy"
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # vLLM's: max_num_queued_reqs, max_num_queued_tokens
 
 
 class NoReplica(ServerError):

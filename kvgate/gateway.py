@@ -3,7 +3,8 @@
     parse & validate → identify tenant → count tokens, bound worst case → choose pool
     → charge tenant budget → rank replicas (router) → admit on the first one's ledger with
     room (or wait in the fair queue, ranked again each attempt) → forward and stream back
-    (once more elsewhere if the replica failed before any byte reached the client)
+    (once more elsewhere if the replica failed before any byte reached the client; placed
+    again, elsewhere or from the queue, if its vLLM refused it as busy)
     → settle: release blocks, correct the charge, record metrics
 
 Each resource is held by an `async with`, so every ending — completion, upstream error,
@@ -34,6 +35,7 @@ from kvgate.errors import (
     NoReplica,
     NotFound,
     RateLimited,
+    ReplicaBusy,
     ServerError,
 )
 from kvgate.metrics import Metrics
@@ -195,19 +197,24 @@ class Gateway:
     ) -> web.StreamResponse:
         """Admit on the router's best replica with room and forward. If that replica fails
         before any byte reached the client, release it and go once more elsewhere (the
-        blocks are reserved again there; the tenant is charged once); each attempt appends its
-        `Outcome`, and the last is what the tenant pays for."""
+        blocks are reserved again there; the tenant is charged once). If its vLLM refused it
+        as busy (backpressure, not a failure), place it again, on another replica or from the
+        queue, within what is left of its wait budget. Each attempt appends its `Outcome`, and
+        the last is what the tenant pays for."""
         info: RequestInfo = request[REQUEST_INFO]
         failed: ServerError | None = None
+        failures = 0
+        since: float | None = None  # when it first asked for admission, once sent back as busy
         try:
             while True:
                 outcome = outcomes[-1]
                 ranked: list[Ranking] = []
+                asked = time.monotonic()
                 try:
                     ranker = self.ranker(route, rt, ranked, info.key, arrival)
                     arrival = None  # a retry ranks afresh
                     async with self.admission.admit(
-                        route.demand, ranker, rt.config.admission
+                        route.demand, ranker, rt.config.admission, since
                     ) as slot:
                         info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
                         info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
@@ -225,18 +232,24 @@ class Gateway:
                             # goes in the same round trip (issue 14)
                             settle_now()
                         return response
+                except ReplicaBusy:
+                    # the busy replica takes no more for now (Admission.refused_busy): the
+                    # request goes elsewhere, or waits for room, on its first wait budget
+                    since = asked if since is None else since
+                    failed = None  # a 429 in time beats an earlier replica's failure
+                    outcomes.append(Outcome())
                 except (NoReplica, NeverFits, RateLimited):
                     if failed is not None:  # nowhere else to go: the replica's failure stands
                         raise failed from None
                     raise
                 except ServerError as exc:
                     reason = retry_reason(exc, outcome, rt.config.routing.retry)
-                    if reason is None or len(outcomes) > rt.config.routing.retry.attempts:
+                    if reason is None or failures >= rt.config.routing.retry.attempts:
                         raise
                     assert info.replica is not None  # the failed attempt was admitted there
                     self.metrics.upstream_retries.labels(info.pool, reason).inc()
                     route = dataclasses.replace(route, exclude=route.exclude | {info.replica})
-                    failed = exc
+                    failed, failures = exc, failures + 1
                     outcomes.append(Outcome())
         finally:
             self.breakers.release(info.key)
@@ -400,6 +413,8 @@ class Gateway:
         finally:
             replica.inflight.pop(info.key, None)
             self.breakers.judge(replica.id, replica_failed(outcome, parsed.stream), info.key)
+            if outcome.busy is not None:  # before the slot goes: it is counted as held there
+                self.admission.refused_busy(slot, outcome.busy, rt.config.admission)
             info.disconnected = outcome.client_disconnected and not outcome.done
             info.delivered = outcome.done
             self.observe(info, parsed, bound, slot, outcome)

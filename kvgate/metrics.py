@@ -181,6 +181,11 @@ class Metrics:
             "kvgate_upstream_retries", "Requests sent to another replica after theirs failed "
             "before any byte reached the client, by reason.", ["pool", "reason"], registry=r,
         )
+        self.replica_rejections = Counter(
+            "kvgate_replica_admission_rejections", "Requests a replica's vLLM refused as busy "
+            "(503 at its queue limits), by vLLM's reason: sent elsewhere or queued again, never "
+            "a circuit-breaker failure.", ["replica", "reason"], registry=r,
+        )
         self.session_routes = Counter(
             "kvgate_session_routes", "Requests with a session key, by result (hit, new, "
             "rebound) and reason.", ["result", "reason"], registry=r,

@@ -37,6 +37,7 @@ _ALIASES = {
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:gpu_prefix_cache_hits": "prefix_hits",
     "vllm:generation_tokens": "generation_tokens",
+    "vllm:admission_rejections": "admission_rejections",  # vLLM 0.33+, summed over reasons
 }
 
 
@@ -54,6 +55,7 @@ class Scrape:
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     generation_tokens: float | None = None
+    admission_rejections: float | None = None  # requests its queue limits refused (503)
 
 
 @dataclass(frozen=True, slots=True)

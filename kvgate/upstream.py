@@ -4,8 +4,9 @@ Every stream asks the replica for usage (`stream_options.include_usage`), so kvg
 learns the real token counts; the usage chunk is stripped from the client's stream when the
 client did not ask for it. Chunks are relayed as they arrive, never buffered whole, and each
 write waits for the client to drain (backpressure). Failures before the response starts raise
-a `KvgateError` (mapped to 502/503/504 by the error middleware); failures after it started are
-sent as a final SSE `data: {"error": ...}` event and the stream ends cleanly.
+a `KvgateError` (mapped to 502/503/504 by the error middleware; vLLM's overload 503 raises
+`ReplicaBusy`, which the gateway places again); failures after it started are sent as a final
+SSE `data: {"error": ...}` event and the stream ends cleanly.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvgate.backpressure import overload_reason
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import KvgateError, UpstreamError, UpstreamTimeout
+from kvgate.errors import KvgateError, ReplicaBusy, UpstreamError, UpstreamTimeout
 from kvgate.idle import IdleTimeout
 from kvgate.replicas import Replica
 
@@ -60,6 +62,7 @@ class Outcome:
     upstream_failed: bool = False
     unreachable: bool = False  # the request never got to the replica (connection failed)
     timed_out: bool = False  # no response headers within first_byte_s
+    busy: str | None = None  # vLLM's queue limits refused it (their reason): not a failure
     # called with the status as soon as the replica's response headers arrive
     on_answer: Callable[[int], None] | None = None
 
@@ -192,8 +195,12 @@ class Relay:
             raise UpstreamError(f"replica {replica.id} failed mid-response: {exc}") from None
         status = upstream.status
         if status >= 500:
-            outcome.upstream_failed = True
             detail = _openai_error_body(raw, status)["error"]["message"]
+            busy = overload_reason(status, raw)
+            if busy is not None:
+                outcome.busy = busy
+                raise ReplicaBusy(f"replica {replica.id} is busy: {detail}", reason=busy)
+            outcome.upstream_failed = True
             error: KvgateError = UpstreamError(f"replica {replica.id} answered {status}: {detail}")
             if status == 503:
                 error.status = 503

@@ -74,3 +74,15 @@ def test_overcommit_stops_growing_and_shrinks_back_while_the_replica_queues_work
     assert grown > 1.2
     controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, waiting=6)
     assert 1.0 <= controller.factor("r") < grown
+
+
+def test_overcommit_backs_off_when_the_replicas_own_queue_limits_refuse_work():
+    controller = Overcommit()
+    for _ in range(5):
+        controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=2)
+    grown = controller.factor("r")
+    assert grown > 1.2  # refusals counted before, none new: it grows
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=5)
+    assert controller.factor("r") == grown * 0.7
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=0)  # restarted
+    assert controller.factor("r") > grown * 0.7

@@ -183,6 +183,7 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "pool": view.pool,
             "healthy": view.healthy,
             "circuit": view.circuit,
+            "busy": view.busy,  # its vLLM refused one of ours lately (queue limits)
             "draining": view.draining,
             "last_error": replica.last_error,
             "models": sorted(view.models),

@@ -18,8 +18,12 @@ def replica_failed(outcome: Outcome, stream: bool) -> bool | None:
     """True if the replica failed (unreachable, 5xx, a stream broken or silent past a
     timeout), False if it answered (2xx or 3xx), None if the attempt says nothing of it: the
     client left first, a 4xx (the client's problem, or a replica that answers but serves
-    nothing useful: not proof of health), or a whole answer that took longer than first_byte_s
-    (vLLM sends a non-streamed answer's headers only when it is done: long is not broken)."""
+    nothing useful: not proof of health), vLLM's own queue limits refusing it (a busy replica
+    is not a broken one: `kvgate.backpressure`), or a whole answer that took longer than
+    first_byte_s (vLLM sends a non-streamed answer's headers only when it is done: long is not
+    broken)."""
+    if outcome.busy is not None:
+        return None
     if outcome.unreachable:
         return True
     if outcome.upstream_failed:

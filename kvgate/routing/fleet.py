@@ -26,6 +26,7 @@ class ReplicaView(NamedTuple):
     pool: str
     healthy: bool  # the last active check (/health, /v1/models) passed
     circuit: str  # "closed", "half_open" or "open" (passive failures)
+    busy: bool  # vLLM's queue limits refused one of ours: no new request from us for now
     draining: bool
     models: frozenset[str]
     block_size: int
@@ -131,6 +132,7 @@ def take_snapshot(
     circuit: Callable[[str], str],
     overcommit: Callable[[str], float],
     typical_blocks: Callable[[str], int | None] = lambda pool: None,
+    busy: Callable[[str], bool] = lambda replica_id: False,
     now: float | None = None,
 ) -> Fleet:
     now = time.monotonic() if now is None else now
@@ -146,6 +148,7 @@ def take_snapshot(
             hit_rate = scrape.prefix_hits / scrape.prefix_queries
         views.append(ReplicaView(
             replica=r, id=rid, pool=r.pool, healthy=r.healthy, circuit=circuit(rid),
+            busy=busy(rid),
             draining=r.draining, models=r.models, block_size=r.kv_block_size,
             num_gpu_blocks=r.num_gpu_blocks,
             admissible_blocks=admissible_blocks(r, config),

@@ -58,10 +58,13 @@ class Ranking:
 
     def usable(self, waited_s: float) -> list[ReplicaView]:
         """The replicas a request that has waited `waited_s` may be placed on now: only its
-        session's replica during the hold, then all of them in order."""
-        if self.sticky is not None and waited_s < self.hold_s:
+        session's replica during the hold, then all of them in order; never one that is busy
+        (vLLM's queue limits refused it lately; a busy session replica ends the hold at once)."""
+        if self.sticky is not None and waited_s < self.hold_s and not self.sticky.busy:
             return [self.sticky]
-        return self.replicas
+        if not any(view.busy for view in self.replicas):
+            return self.replicas
+        return [view for view in self.replicas if not view.busy]
 
 
 def check_scorers(names: Mapping[str, float]) -> None:

@@ -1,8 +1,9 @@
 """The HTTP surface of a simulated replica: vLLM's OpenAI-compatible API plus `/sim/*`.
 
 A generation request is read top to bottom: parse the body and its options (`options.py`),
-encode the prompts (`text.py`), fan out one engine request per prompt and sequence
-(`choices.py`), then answer as a stream (`streaming.py`) or whole.
+check vLLM's queue limits (`admission.py`: 503 when full), encode the prompts (`text.py`),
+fan out one engine request per prompt and sequence (`choices.py`), then answer as a stream
+(`streaming.py`) or whole.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 POST /tokenize, POST /detokenize, GET /metrics, and the control routes in `control.py`.
@@ -24,6 +25,8 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.sim import control
+from kvgate.sim.admission import ERROR_TYPE as BUSY_ERROR_TYPE
+from kvgate.sim.admission import AdmissionRejected
 from kvgate.sim.choices import Child, EngineAborted, fan_out, full_body, wait_all
 from kvgate.sim.extras import RichChunks
 from kvgate.sim.logprobs import LogprobTable
@@ -37,7 +40,10 @@ from kvgate.sim.text import PromptError
 if TYPE_CHECKING:
     from kvgate.sim.server import SimReplica
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+ERROR_TYPES = {
+    400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+    503: BUSY_ERROR_TYPE,  # only vLLM's queue limits answer 503 on these routes
+}
 
 
 class ApiError(Exception):
@@ -166,6 +172,7 @@ class OpenAIApi:
         body = await _json_body(request)
         self._check_common(body)
         options = _options(chat_options, body)
+        self._preflight(options)
         try:
             prompt_ids = self.replica.encoder.encode_chat(
                 body.get("messages"),
@@ -183,6 +190,7 @@ class OpenAIApi:
         body = await _json_body(request)
         self._check_common(body)
         options = _options(completion_options, body)
+        self._preflight(options)
         try:
             prompts = self.replica.encoder.encode_prompts(body.get("prompt"))
         except PromptError as exc:
@@ -199,6 +207,14 @@ class OpenAIApi:
         priority = body.get("priority", 0)
         if priority not in (0, None):
             raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
+
+    def _preflight(self, options: OutputOptions) -> None:
+        """vLLM's queue limits, checked before the prompt is rendered (as vLLM's serving
+        layer does): a full queue answers 503, whatever the prompt."""
+        try:
+            self.runtime.check_admission(options.best_of)
+        except AdmissionRejected as exc:
+            raise ApiError(503, exc.message) from exc
 
     async def _generate(
         self,
@@ -248,6 +264,8 @@ class OpenAIApi:
                 )
         except ContextLengthError as exc:
             raise ApiError(400, str(exc)) from exc
+        except AdmissionRejected as exc:  # a later prompt of a list found the queue full
+            raise ApiError(503, exc.message) from exc
         except EngineAborted as exc:
             raise ApiError(500, str(exc)) from exc
         except ConnectionResetError:

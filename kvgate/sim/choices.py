@@ -58,13 +58,16 @@ def fan_out(
     (disconnect, dropped connection, error), so no child keeps blocks in the engine.
 
     Every prompt's context length is checked first (raises ContextLengthError): one prompt
-    too long submits nothing.
+    too long submits nothing. Then vLLM's queue limits are checked again before each prompt's
+    sequences are added, as vLLM adds each prompt of a list (raises AdmissionRejected, and the
+    prompts already added are aborted).
     """
     for prompt in prompts:
         check_context_length(len(prompt), max_tokens, runtime.config.max_model_len)
     children: list[Child] = []
     try:
         for i, prompt in enumerate(prompts):
+            runtime.check_admission(sequences)
             for j in range(sequences):
                 engine_id = runtime.unique_id(child_id(base_id, i, len(prompts), j, sequences))
                 generation = runtime.submit(engine_id, prompt, max_tokens, ignore_eos=ignore_eos)

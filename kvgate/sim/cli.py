@@ -29,6 +29,9 @@ CONFIG_FLAGS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "maximum prompt + output tokens (8192)"),
     "max_num_seqs": (int, "maximum running requests (256)"),
     "max_num_batched_tokens": (int, "token budget per engine step (2048)"),
+    "max_num_queued_reqs": (int, "answer 503 beyond this many unfinished requests (no limit)"),
+    "max_num_queued_tokens": (int, "answer 503 once prompts in prefill hold this many tokens "
+                              "(no limit)"),
     "step_overhead_s": (float, "simulated seconds per step (0.006)"),
     "prefill_token_s": (float, "simulated seconds per prefill token (0.00008)"),
     "decode_seq_s": (float, "simulated seconds per decoding sequence (0.00015)"),

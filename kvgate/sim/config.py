@@ -43,6 +43,10 @@ class SimConfig:
     # A waiting request starts only when its whole prompt fits (vLLM's
     # scheduler_reserve_full_isl, on by default since 0.2x); False: its first chunk.
     reserve_full_prompt: bool = True
+    # vLLM's own admission limits (None: none): 503 once the unfinished requests would exceed
+    # max_num_queued_reqs, or once the prompts still in prefill hold max_num_queued_tokens
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     # --- timing (simulated seconds) and the wall-clock scale
     step_overhead_s: float = 0.006
     prefill_token_s: float = 0.00008
@@ -90,6 +94,10 @@ class SimConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            limit = getattr(self, name)
+            if limit is not None and limit < 0:
+                raise ValueError(f"{name}: must be >= 0 or null, got {limit}")
         if self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks: must be >= 2, got {self.num_gpu_blocks}")
         for name in ("step_overhead_s", "prefill_token_s", "decode_seq_s", "time_scale"):

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgate.sim.admission import REASONS as ADMISSION_REASONS
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine, StepResult, TokenOutput
 from kvgate.sim.request import FinishReason, SimRequest
@@ -166,6 +167,20 @@ class SimMetrics:
         # finishes a request with these two.
         for reason in VLLM_ONLY_FINISH_REASONS:
             success.labels(*values, reason)
+        # counted by the API server, not an engine: `model_name` and `reason`, no `engine`
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self._rejections = {
+            reason: rejections.labels(config.served_model_name, reason)
+            for reason in ADMISSION_REASONS
+        }
+
+    def observe_admission_rejection(self, reason: str) -> None:
+        self._rejections[reason].inc()
 
     def observe_step(self, result: StepResult) -> None:
         self._h["iteration_tokens"].observe(result.num_prefill_tokens + result.num_decode_seqs)

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+from kvgate.sim.admission import AdmissionRejected, rejection
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine, StepResult
 from kvgate.sim.metrics import SimMetrics
@@ -145,6 +146,25 @@ class EngineRuntime:
             return base
         self._next_id += 1
         return f"{base}-{self._next_id}"
+
+    def check_admission(self, sequences: int) -> None:
+        """vLLM's queue limits for a request of `sequences` engine requests: raises
+        AdmissionRejected (and counts it) when they refuse it. Unfinished: every generation
+        not ended; in prefill: those without an output token yet, by their whole prompt."""
+        config = self.config
+        if config.max_num_queued_reqs is None and config.max_num_queued_tokens is None:
+            return
+        generations = self._generations.values()
+        reason = rejection(
+            max_num_queued_reqs=config.max_num_queued_reqs,
+            max_num_queued_tokens=config.max_num_queued_tokens,
+            unfinished=len(generations),
+            queued_tokens=sum(g.request.num_prompt_tokens for g in generations if not g.num_ready),
+            sequences=sequences,
+        )
+        if reason is not None:
+            self.metrics.observe_admission_rejection(reason)
+            raise AdmissionRejected(reason)
 
     def submit(
         self,

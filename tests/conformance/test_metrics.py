@@ -86,8 +86,6 @@ ABSENT = {
     "vllm:request_time_per_output_token_seconds": "per-request figure",
     "vllm:request_num_preemptions": "per-request figure",
     "vllm:request_prefill_kv_computed_tokens": "per-request figure",
-    # being added to the simulator in parallel; checked like the others once it is exposed
-    "vllm:admission_rejections": "frontend queue limits",
 }
 
 

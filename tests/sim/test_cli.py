@@ -42,6 +42,14 @@ def test_flags_map_to_config_keys_and_unset_flags_keep_the_defaults() -> None:
     assert config.max_num_seqs == SimConfig().max_num_seqs
 
 
+def test_queue_limit_flags_are_vllms_and_unset_they_limit_nothing() -> None:
+    args = parse("--max-num-queued-reqs", "8", "--max-num-queued-tokens", "4096")
+    config = SimConfig.from_mapping(cli.replica_overrides(args))
+    assert (config.max_num_queued_reqs, config.max_num_queued_tokens) == (8, 4096)
+    unset = SimConfig.from_mapping(cli.replica_overrides(parse()))
+    assert (unset.max_num_queued_reqs, unset.max_num_queued_tokens) == (None, None)
+
+
 def test_a_model_preset_computes_the_block_count() -> None:
     config = SimConfig.from_mapping({"model_preset": "qwen2.5-7b", "gpu_mem_gib": 80})
     assert config.num_gpu_blocks > 60_000  # 56 KiB per token on ~70 GiB
