@@ -205,7 +205,9 @@ class OpenAIApi:
         if model is not None and model != self.model:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
         priority = body.get("priority", 0)
-        if priority not in (0, None):
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ApiError(400, "priority: must be an integer", "priority")
+        if priority and self.runtime.config.scheduling_policy != "priority":
             raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.")
 
     def _preflight(self, options: OutputOptions) -> None:
@@ -234,9 +236,11 @@ class OpenAIApi:
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         drop_after = self.replica.faults.draw_drop(self.replica.fault_rng)
         ignore_eos = bool(body.get("ignore_eos", False))
+        priority = body.get("priority") or 0  # checked by _check_common
         try:
             with fan_out(
-                self.runtime, base_id, prompts, options.best_of, max_tokens, ignore_eos=ignore_eos
+                self.runtime, base_id, prompts, options.best_of, max_tokens,
+                ignore_eos=ignore_eos, priority=priority,
             ) as children:
                 if body.get("stream"):
                     stream_options = body.get("stream_options") or {}

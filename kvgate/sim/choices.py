@@ -53,6 +53,7 @@ def fan_out(
     max_tokens: int | None,
     *,
     ignore_eos: bool = False,
+    priority: int = 0,
 ) -> Iterator[list[Child]]:
     """Submit every child; on exit abort those unfinished, however the handler ends
     (disconnect, dropped connection, error), so no child keeps blocks in the engine.
@@ -70,7 +71,9 @@ def fan_out(
             runtime.check_admission(sequences)
             for j in range(sequences):
                 engine_id = runtime.unique_id(child_id(base_id, i, len(prompts), j, sequences))
-                generation = runtime.submit(engine_id, prompt, max_tokens, ignore_eos=ignore_eos)
+                generation = runtime.submit(
+                    engine_id, prompt, max_tokens, ignore_eos=ignore_eos, priority=priority
+                )
                 children.append(Child(i, j, generation))
         yield children
     finally:

@@ -29,6 +29,7 @@ CONFIG_FLAGS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "maximum prompt + output tokens (8192)"),
     "max_num_seqs": (int, "maximum running requests (256)"),
     "max_num_batched_tokens": (int, "token budget per engine step (2048)"),
+    "scheduling_policy": (str, "fcfs or priority (vLLM's --scheduling-policy; fcfs)"),
     "max_num_queued_reqs": (int, "answer 503 beyond this many unfinished requests (no limit)"),
     "max_num_queued_tokens": (int, "answer 503 once prompts in prefill hold this many tokens "
                               "(no limit)"),
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for dest, (kind, text) in CONFIG_FLAGS.items():
         group.add_argument(f"--{dest.replace('_', '-')}", dest=dest, type=kind, help=text)
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument(
+        "--no-scheduler-reserve-full-isl", action="store_true",
+        help="admit a waiting request when its first chunk fits, not its whole prompt",
+    )
     faults = parser.add_argument_group("faults")
     for name, (kind, text) in FAULT_FLAGS.items():
         faults.add_argument(f"--fault-{name.replace('_', '-')}", dest=f"fault_{name}",
@@ -76,6 +81,8 @@ def replica_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.no_prefix_caching:
         values["enable_prefix_caching"] = False
+    if args.no_scheduler_reserve_full_isl:
+        values["reserve_full_prompt"] = False
     faults: dict[str, Any] = {
         name: getattr(args, f"fault_{name}")
         for name in FAULT_FLAGS

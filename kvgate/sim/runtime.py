@@ -173,10 +173,12 @@ class EngineRuntime:
         max_tokens: int | None,
         *,
         ignore_eos: bool = False,
+        priority: int = 0,
     ) -> Generation:
         """Queue a request (raises ContextLengthError) and wake the step loop."""
         request = self.engine.add_request(
-            request_id, prompt_token_ids, max_tokens, self.clock.now(), ignore_eos=ignore_eos
+            request_id, prompt_token_ids, max_tokens, self.clock.now(),
+            ignore_eos=ignore_eos, priority=priority,
         )
         generation = Generation(request)
         self._generations[request_id] = generation

@@ -42,6 +42,14 @@ def test_flags_map_to_config_keys_and_unset_flags_keep_the_defaults() -> None:
     assert config.max_num_seqs == SimConfig().max_num_seqs
 
 
+def test_scheduler_flags_are_vllms() -> None:
+    args = parse("--scheduling-policy", "priority", "--no-scheduler-reserve-full-isl")
+    config = SimConfig.from_mapping(cli.replica_overrides(args))
+    assert (config.scheduling_policy, config.reserve_full_prompt) == ("priority", False)
+    unset = SimConfig.from_mapping(cli.replica_overrides(parse()))
+    assert (unset.scheduling_policy, unset.reserve_full_prompt) == ("fcfs", True)
+
+
 def test_queue_limit_flags_are_vllms_and_unset_they_limit_nothing() -> None:
     args = parse("--max-num-queued-reqs", "8", "--max-num-queued-tokens", "4096")
     config = SimConfig.from_mapping(cli.replica_overrides(args))

@@ -135,6 +135,20 @@ async def test_non_zero_priority_is_rejected_without_priority_scheduling(
         assert "Priority scheduling is not enabled" in (await response.json())["error"]["message"]
 
 
+async def test_under_priority_scheduling_a_request_waits_behind_better_priorities(
+    sim_factory: SimFactory, http: aiohttp.ClientSession
+) -> None:
+    """--scheduling-policy priority: `priority` reaches the engine (lower runs first)."""
+    replica = await sim_factory(**FAST, scheduling_policy="priority", max_num_seqs=1)
+    url = replica.url + "/v1/chat/completions"
+    engine = replica.runtime.engine
+    async with http.post(url, json={"messages": MESSAGES, "max_tokens": 1, "priority": 7}) as r:
+        assert r.status == 200
+    async with http.post(url, json={"messages": MESSAGES, "max_tokens": 1, "priority": "1"}) as r:
+        assert r.status == 400
+    assert engine.stats.finished == 1  # the priority 7 one ran; the string was refused
+
+
 async def test_invalid_bodies_are_400(replica: SimReplica, http: aiohttp.ClientSession) -> None:
     url = replica.url + "/v1/chat/completions"
     for data in (b"{not json", b"[1, 2]", orjson.dumps({"messages": "hi"})):
