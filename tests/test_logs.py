@@ -56,7 +56,8 @@ def test_a_stream_nobody_reads_neither_blocks_logging_nor_grows_without_bound():
     for _ in range(5_000):  # 500 KB: the pipe and the buffer fill up
         log.info(line)
     assert time.monotonic() - started < 5  # never waited on the pipe
-    assert handler.dropped > 0
+    # (not `handler.dropped > 0` here: the writer moves the count into its next batch's note
+    # when it takes one, so the count may already be on its way)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.append(read_all(r)))
     reader.start()  # the stream drains now
@@ -65,9 +66,10 @@ def test_a_stream_nobody_reads_neither_blocks_logging_nor_grows_without_bound():
     reader.join(5)
     lines = out[0].splitlines()
     written = [x for x in lines if x == line]
-    note = [x for x in lines if "log lines dropped" in x]
-    assert len(note) == 1
-    dropped = int(note[0].split()[1])
+    notes = [x for x in lines if "log lines dropped" in x]
+    assert notes  # the drops were said
+    dropped = sum(int(note.split()[1]) for note in notes)
+    assert dropped > 0
     assert len(written) + dropped == 5_000
     # at most the bound waiting, one batch as large being written, and what the pipe held
     assert len(written) * 100 <= 2 * 200_000 + 70_000
