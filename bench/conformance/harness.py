@@ -93,6 +93,17 @@ def _differences(v: StepView, s: StepView) -> list[tuple[str, object, object]]:
     return out
 
 
+def events(trace: Trace) -> tuple[dict[int, list[TraceRequest]], dict[int, list[str]], int]:
+    """The trace's arrivals and aborts by step, and the step of its last event."""
+    arrivals: dict[int, list[TraceRequest]] = {}
+    aborts: dict[int, list[str]] = {}
+    for request in trace.requests:
+        arrivals.setdefault(request.arrival_step, []).append(request)
+        if request.abort_step is not None:
+            aborts.setdefault(request.abort_step, []).extend(child_ids(request))
+    return arrivals, aborts, max([*arrivals, *aborts, 0])
+
+
 def replay(
     trace: Trace,
     make_vllm: Callable[[Trace], Side],
@@ -104,13 +115,7 @@ def replay(
         result.finish_order[side.name] = []
         result.preemptions[side.name] = 0
         result.peak_blocks[side.name] = 0
-    arrivals: dict[int, list[TraceRequest]] = {}
-    aborts: dict[int, list[str]] = {}
-    for request in trace.requests:
-        arrivals.setdefault(request.arrival_step, []).append(request)
-        if request.abort_step is not None:
-            aborts.setdefault(request.abort_step, []).extend(child_ids(request))
-    last_event = max([*arrivals, *aborts, 0])
+    arrivals, aborts, last_event = events(trace)
     for step in range(trace.max_steps):
         for side in sides:
             for request in arrivals.get(step, ()):
@@ -151,13 +156,7 @@ def run_alone(trace: Trace, side: Side) -> Run:
     """Drive one side through a trace on its own (arrivals and aborts by iteration): for
     sides whose steps do not line up one to one, compared in aggregate."""
     result = Run(side.name)
-    arrivals: dict[int, list[TraceRequest]] = {}
-    aborts: dict[int, list[str]] = {}
-    for request in trace.requests:
-        arrivals.setdefault(request.arrival_step, []).append(request)
-        if request.abort_step is not None:
-            aborts.setdefault(request.abort_step, []).extend(child_ids(request))
-    last_event = max([*arrivals, *aborts, 0])
+    arrivals, aborts, last_event = events(trace)
     for step in range(trace.max_steps * 2):
         for request in arrivals.get(step, ()):
             side.add(request, step)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from conformance.shape import EngineShape
 from conformance.traces import TraceRequest
@@ -158,6 +158,20 @@ class VllmSide:
                 )
             )
 
+    def _update(self, output: Any, runner: Any) -> list[tuple[str, str]]:
+        """`update_from_output`; the requests it finished, and the step's prefix-cache stats
+        counted as the engine core hands them to the Prometheus logger."""
+        finished: list[tuple[str, str]] = []
+        for outputs in self.scheduler.update_from_output(output, runner).values():
+            for item in outputs.outputs:
+                if item.finish_reason is not None:
+                    finished.append((item.request_id, str(item.finish_reason)))
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.prefix_cache_stats is not None:
+                self._queries += stats.prefix_cache_stats.queries
+                self._hits += stats.prefix_cache_stats.hits
+        return finished
+
     def abort(self, request_id: str) -> None:
         from vllm.v1.request import RequestStatus
 
@@ -186,17 +200,7 @@ class VllmSide:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        engine_outputs = scheduler.update_from_output(output, runner)
-        finished: list[tuple[str, str]] = []
-        for outputs in engine_outputs.values():
-            for item in outputs.outputs:
-                if item.finish_reason is not None:
-                    finished.append((item.request_id, str(item.finish_reason)))
-            # the step's stats, as the engine core hands them to the Prometheus logger
-            stats = outputs.scheduler_stats
-            if stats is not None and stats.prefix_cache_stats is not None:
-                self._queries += stats.prefix_cache_stats.queries
-                self._hits += stats.prefix_cache_stats.hits
+        finished = self._update(output, runner)
         preempted = [
             rid for rid in (output.preempted_req_ids or ())
         ] or [
@@ -281,14 +285,7 @@ class AsyncVllmSide(VllmSide):
                     for rid in req_ids
                 ],
             )
-            for outputs in scheduler.update_from_output(output, runner).values():
-                for item in outputs.outputs:
-                    if item.finish_reason is not None:
-                        finished.append((item.request_id, str(item.finish_reason)))
-                stats = outputs.scheduler_stats
-                if stats is not None and stats.prefix_cache_stats is not None:
-                    self._queries += stats.prefix_cache_stats.queries
-                    self._hits += stats.prefix_cache_stats.hits
+            finished = self._update(output, runner)
         running, waiting = scheduler.get_request_counts()
         pool = scheduler.kv_cache_manager.block_pool
         return StepView(
