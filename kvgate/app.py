@@ -22,7 +22,7 @@ from aiohttp import web
 from kvgate.admission import Admission
 from kvgate.api.admin import admin_middleware
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
-from kvgate.calibration import Calibration
+from kvgate.calibration import Calibration, Terms
 from kvgate.config import Config, ConfigError, UpstreamConfig, secret
 from kvgate.demand import ledger_key
 from kvgate.dns import dns_loop
@@ -209,8 +209,23 @@ async def _refresh_gauges(gateway: Gateway) -> None:
                     )
         _store_gauges(gateway)
         gateway.prompts.export(config)  # the prompt fingerprints' gauges
-        gateway.export_calibration(config)
+        _calibration_gauges(gateway, config)
         await asyncio.sleep(GAUGE_INTERVAL_S)
+
+
+def _calibration_gauges(gateway: Gateway, config: Config) -> None:
+    """The fits' gauges, with the other gauges once a second (off the request path: a fit
+    refits on every 16th observation, its error moves on each)."""
+    m, calibration = gateway.metrics, gateway.calibration
+    for model, endpoint, _ in calibration.items():
+        m.calibration.labels(model).set(calibration.ratio(model))
+        terms = calibration.terms(model, endpoint, Terms(), config.calibration)
+        for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(),
+                               strict=True):  # fmt: skip
+            m.calibration_terms.labels(model, endpoint, name).set(value)
+        error = calibration.error(model, endpoint)
+        if error is not None:
+            m.token_estimate_error.labels(model, endpoint).set(error)
 
 
 def _store_gauges(gateway: Gateway) -> None:

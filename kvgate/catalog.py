@@ -31,6 +31,16 @@ class Bound:
     prompts: int = 1  # prompts in the request (a completions call may batch several)
 
 
+def context_limit(configured: int | None, reported: int | None) -> int | None:
+    """The context a request is bounded by: what the pool's replicas report, or the model's
+    configured max_model_len where they report nothing. A configured value may lower theirs,
+    never raise it: a request beyond what any replica serves is the client's 400, not a 503
+    no_replica that clients retry."""
+    if configured is None or reported is None:
+        return configured or reported
+    return min(configured, reported)
+
+
 def bound_worst_case(
     parsed: ParsedRequest,
     prompt_tokens: int,

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from kvgate.admission import Admission, Ranker
 from kvgate.calibration import Calibration, Observed, Terms
-from kvgate.catalog import Bound, bound_worst_case, upstream_payload
+from kvgate.catalog import Bound, bound_worst_case, context_limit, upstream_payload
 from kvgate.config import Config, CurrentConfig, ModelConfig, TenantConfig
 from kvgate.demand import Demand, Slot
 from kvgate.errors import (
@@ -57,17 +57,6 @@ from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets, Charge, check_access
 from kvgate.tokens import PromptCount
 from kvgate.upstream import Outcome, Relay, upstream_headers
-
-
-def context_limit(configured: int | None, reported: int | None) -> int | None:
-    """The context a request is bounded by: what the pool's replicas report, or the model's
-    configured max_model_len where they report nothing. A configured value may lower theirs,
-    never raise it: a request beyond what any replica serves is the client's 400, not a 503
-    no_replica that clients retry."""
-    if configured is None or reported is None:
-        return configured or reported
-    return min(configured, reported)
-
 
 # How long a request's arrival snapshot of the fleet may serve its first ranking.
 FLEET_REUSE_S = 0.002
@@ -440,7 +429,7 @@ class Gateway:
                 limits = rt.config.calibration
                 observed = self.calibration.observe(
                     parsed.model, endpoint, count.features, usage.prompt_tokens, prior, limits
-                )  # its gauges follow once a second (export_calibration)
+                )  # its gauges follow once a second (app.calibration_gauges)
                 if observed is Observed.OUTLIER:
                     self.metrics.calibration_outliers.labels(parsed.model, endpoint).inc()
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
@@ -462,20 +451,6 @@ class Gateway:
             prompt, completion = bound.prompt_tokens, processed_tokens(parsed, bound, outcome)
         info.charged_tokens = prompt + completion
         await self.budgets.settle(charge, prompt, completion)
-
-    def export_calibration(self, config: Config) -> None:
-        """The fits' gauges, with the other gauges once a second (off the request path: a
-        fit refits on every 16th observation, its error moves on each)."""
-        m, calibration = self.metrics, self.calibration
-        for model, endpoint, _ in calibration.items():
-            m.calibration.labels(model).set(calibration.ratio(model))
-            terms = calibration.terms(model, endpoint, Terms(), config.calibration)
-            for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(),
-                                   strict=True):  # fmt: skip
-                m.calibration_terms.labels(model, endpoint, name).set(value)
-            error = calibration.error(model, endpoint)
-            if error is not None:
-                m.token_estimate_error.labels(model, endpoint).set(error)
 
     def observe(
         self, info: RequestInfo, parsed: ParsedRequest, bound: Bound, slot: Slot, outcome: Outcome
