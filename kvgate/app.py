@@ -11,42 +11,48 @@ replica registry, dispatchers for new pools, a new upstream connection pool, for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from kvgate.admission import Admission
+from kvgate.admission.leases import LeaseKeeper
+from kvgate.admission.stage import Admission
 from kvgate.api.admin import admin_middleware
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
-from kvgate.calibration import Calibration, Terms
 from kvgate.config import Config, ConfigError, UpstreamConfig, secret
-from kvgate.demand import ledger_key
-from kvgate.dns import dns_loop
-from kvgate.errors import KvgateError
+from kvgate.fleet.discovery import discovery_loop, first_round_within
+from kvgate.fleet.dns import dns_loop
+from kvgate.fleet.drain import watch_drains
+from kvgate.fleet.health import STATE_VALUE, Breakers
+from kvgate.fleet.replicas import Registry
+from kvgate.fleet.snapshot import BASES
+from kvgate.fleet.view import FleetView
 from kvgate.gateway import Gateway
-from kvgate.leases import LeaseKeeper
+from kvgate.intervals import Sleep
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
-from kvgate.replicas import Registry, discovery_loop
-from kvgate.routing.drain import watch_drains
-from kvgate.routing.health import STATE_VALUE, Breakers
+from kvgate.request.calibration import Calibration, Terms
+from kvgate.request.front import FrontStage
+from kvgate.request.tokens import TokenizerError
+from kvgate.routing.plugin import Deps
 from kvgate.routing.router import Router
-from kvgate.routing.scorers import Deps
 from kvgate.routing.sessions import Sessions
 from kvgate.runtime import Runtime
-from kvgate.state.base import StateStore, StateStoreError
+from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets
-from kvgate.tokens import TokenizerError
-from kvgate.upstream import Relay
+from kvgate.transport.http import HttpTransport
 
 log = logging.getLogger(__name__)
 
 GAUGE_INTERVAL_S = 1.0
 TASKS = web.AppKey("tasks", list)
+RELOADING = web.AppKey("reloading", asyncio.Lock)  # one reload at a time
 
 
 def build_store(config: Config) -> StateStore:
@@ -62,9 +68,17 @@ def build_store(config: Config) -> StateStore:
     )
 
 
-def build_app(config: Config, store: StateStore | None = None) -> web.Application:
+def build_app(
+    config: Config,
+    store: StateStore | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Sleep = asyncio.sleep,
+) -> web.Application:
     """The whole gateway for one config. Tokenizers load here: a bad one raises
-    TokenizerError before anything listens."""
+    TokenizerError before anything listens. `clock` and `sleep`: the time the lease keeper
+    dates leases and times its renewals on (a test passes time it moves, with a MemoryStore on
+    the same clock)."""
     app = web.Application(
         middlewares=[errors_middleware, admin_middleware],
         client_max_size=config.server.max_body_bytes,
@@ -79,10 +93,15 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         return gateway.runtime.config
 
     keeper = LeaseKeeper(
-        store, current, on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc()
+        store,
+        current,
+        on_dropped=lambda kind: metrics.leases_dropped.labels(kind).inc(),
+        clock=clock,
+        sleep=sleep,
     )
     admission = Admission(store, metrics, current, keeper)
     sessions = Sessions(store, metrics)
+    prompts = PromptStage(metrics)
     breakers = Breakers(
         current,
         on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
@@ -91,18 +110,19 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
         runtime=runtime,
         current=current,
         registry=registry,
-        relay=Relay(None),  # its session is opened in _services
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
-        prompts=PromptStage(metrics),
+        prompts=prompts,
+        front=FrontStage(prompts),
         store=store,
         metrics=metrics,
         calibration=Calibration(),
-        router=Router(Deps(sessions)),
-        sessions=sessions,
+        router=Router(Deps(sessions, breakers, metrics)),
         breakers=breakers,
+        view=FleetView(registry, admission, breakers),
     )
     app[GATEWAY] = gateway
+    app[RELOADING] = asyncio.Lock()
     add_routes(app, admin=config.server.admin.port is None)
     app.cleanup_ctx.append(_services)
     return app
@@ -111,33 +131,39 @@ def build_app(config: Config, store: StateStore | None = None) -> web.Applicatio
 async def _services(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     config, current = gateway.current(), gateway.current
-    session = client_session(config.upstream)
-    gateway.relay.session = session
+    gateway.connect(HttpTransport(client_session(config.upstream)))
     start = getattr(gateway.store, "start", None)
     if start is not None:
         await start()
+    discovered = asyncio.Event()
     tasks = [
         _task(discovery_loop(
-            lambda: gateway.relay.session, gateway.registry, current,
-            lambda: gateway.admission.after_discovery(gateway.registry),
+            lambda: gateway.http.session if gateway.http else None, gateway.registry, current,
+            lambda: gateway.admission.after_discovery(gateway.registry), discovered,
         )),
         _task(dns_loop(gateway.registry, current)),
         _task(watch_drains(gateway.store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),
+        _task(gateway.admission.ledger.reconcile(lambda: [r.id for r in gateway.registry])),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
         _task(_refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
     ]
     app[TASKS] = tasks
+    # Serve once the replicas are known (or the first round timed out): a request that came
+    # before would find no replica serving its model, and be told the model does not exist.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(discovered.wait(), first_round_within(config.discovery))
     try:
         yield
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if gateway.relay.session is not None:
-            await gateway.relay.session.close()
+        gateway.front.close()
+        if gateway.http is not None:
+            await gateway.http.close()
         await gateway.store.close()
 
 
@@ -155,15 +181,11 @@ def _report_death(task: asyncio.Task[Any]) -> None:
 
 
 async def _refresh_gauges(gateway: Gateway) -> None:
-    """Per-replica and store gauges, computed off the request path once a second."""
+    """Per-replica and store gauges, computed off the request path once a second, from the
+    fleet as routing sees it (the ledger's figures are read back by its own loop)."""
     m = gateway.metrics
     exported: set[tuple[str, str]] = set()
     while True:
-        for replica in gateway.registry:
-            try:
-                gateway.admission.ledger.observed(replica.id, await gateway.store.held(ledger_key(replica.id)))
-            except (StateStoreError, KvgateError) as exc:  # the store counts its own errors
-                log.debug("ledger of %s not read: %s", replica.id, exc)
         config = gateway.current()
         fleet = gateway.fleet(config)
         present = {(view.id, view.pool) for view in fleet}
@@ -172,7 +194,6 @@ async def _refresh_gauges(gateway: Gateway) -> None:
         exported = present
         ids = {view.id for view in fleet}
         gateway.breakers.forget(ids)
-        gateway.admission.ledger.forget(ids)
         gateway.admission.backpressure.forget(ids)
         for view in fleet:
             labels = (view.id, view.pool)
@@ -185,8 +206,10 @@ async def _refresh_gauges(gateway: Gateway) -> None:
             if total is not None and admissible is not None:
                 m.blocks_total.labels(*labels).set(total)
                 m.blocks_admissible.labels(*labels).set(admissible)
-                if view.headroom_requests is not None:
-                    m.headroom.labels(*labels).set(view.headroom_requests)
+                for basis in BASES:
+                    headroom = view.headroom_requests(basis)
+                    if headroom is not None:
+                        m.headroom.labels(*labels, basis).set(headroom)
             age = view.scrape_age_s if view.scrape_age_s is not None else math.inf
             m.scrape_age.labels(view.id).set(age)
             usage = view.kv_usage if view.kv_usage is not None else math.nan
@@ -290,33 +313,41 @@ def restart_only_changes(old: Config, new: Config) -> list[str]:
     return changed
 
 
-def reload(app: web.Application, load: Callable[[], Config]) -> bool:
+async def reload(app: web.Application, load: Callable[[], Config]) -> bool:
     """Load the config again (`load` re-reads the file and applies the command line). A bad
-    file — or one whose tokenizers or scorers do not load — is refused (logged) and the old
+    file — or one whose tokenizers or plugins do not load — is refused (logged) and the old
     config stays. Otherwise its snapshot replaces the old one: requests in flight finish
     under the snapshot they started with, new ones and the background stages read the new
     one. Every setting takes effect, except those in RESTART_ONLY: the log names any of them
-    that changed."""
+    that changed. The file, its tokenizers and its chat templates are read in a thread, not
+    on the loop that serves requests; reloads run one at a time, in the order asked."""
+    async with app[RELOADING]:
+        gateway = app[GATEWAY]
+        old = gateway.runtime
+        try:
+            runtime = await asyncio.to_thread(lambda: Runtime.load(load(), previous=old))
+        except (ConfigError, TokenizerError) as exc:
+            log.error("config reload refused, keeping the old config:\n%s", exc)
+            gateway.metrics.config_reloads.labels("refused").inc()
+            return False
+        install(app, old, runtime)
+        return True
+
+
+def install(app: web.Application, old: Runtime, runtime: Runtime) -> None:
+    """`runtime` replaces `old` for new requests and the background stages."""
     gateway = app[GATEWAY]
-    old = gateway.runtime
-    try:
-        runtime = Runtime.load(load(), previous=old)
-    except (ConfigError, TokenizerError) as exc:
-        log.error("config reload refused, keeping the old config:\n%s", exc)
-        gateway.metrics.config_reloads.labels("refused").inc()
-        return False
     config = runtime.config
     gateway.runtime = runtime
     # what only an action can change: which replicas there are, and what follows from that
     sync_registry(gateway.registry, config)
     gateway.breakers.forget({r.id for r in gateway.registry})
     tasks = app.get(TASKS)
-    if config.upstream != old.config.upstream and gateway.relay.session is not None:
+    if config.upstream != old.config.upstream and gateway.http is not None:
         # a new pool of connections for new requests; the old one closes once the requests
         # using it can have finished
-        retiring = gateway.relay.session
-        gateway.relay.session = client_session(config.upstream)
-        if tasks is not None:
+        retiring = gateway.connect(HttpTransport(client_session(config.upstream)))
+        if tasks is not None and retiring is not None:
             tasks.append(_task(_retire(retiring, old.config.timeouts.total_s)))
     if tasks is not None:
         known = set(gateway.admission.pools())
@@ -330,11 +361,10 @@ def reload(app: web.Application, load: Callable[[], Config]) -> bool:
                     ", ".join(pending))
     else:
         log.info("config reloaded")
-    return True
 
 
-async def _retire(session: aiohttp.ClientSession, after_s: float) -> None:
+async def _retire(transport: HttpTransport, after_s: float) -> None:
     try:
         await asyncio.sleep(after_s)
     finally:
-        await session.close()
+        await transport.close()

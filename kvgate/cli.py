@@ -13,7 +13,7 @@ COMMANDS = {
     "check-config": ("kvgate.commands.check_config", "validate a config file and print it resolved"),
     "sim": ("kvgate.sim.cli", "run simulated vLLM replicas"),
     "demo": ("kvgate.commands.demo", "run a simulated fleet with kvgate in front"),
-    "plan": ("kvgate.plan", "KV-cache capacity plan for a model and GPU"),
+    "plan": ("kvgate.tools.plan", "KV-cache capacity plan for a model and GPU"),
     "top": ("kvgate.commands.top", "a live terminal view of a running kvgate"),
 }
 

@@ -180,9 +180,10 @@ class UpstreamError(ServerError):
 
 
 class ReplicaBusy(ServerError):
-    """The replica answered vLLM's overload 503 (`kvgate.backpressure`): backpressure from a
-    healthy replica, not a failure. `Gateway.serve` places the request again; a client only
-    ever sees kvgate's own 429 when no replica takes it within its wait budget."""
+    """The replica answered vLLM's overload 503 (`kvgate.admission.backpressure`): backpressure from a
+    healthy replica, not a failure. The attempts stage (`kvgate.transport.attempts`) places
+    the request again; a client only ever sees kvgate's own 429 when no replica takes it
+    within its wait budget."""
 
     status = 503
     type = "service_unavailable"

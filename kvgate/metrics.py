@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvgate.fleet.snapshot import BASES
+
 M = TypeVar("M")
 
 
@@ -21,8 +23,8 @@ def _remembered(
     metric: object, make: Callable[..., M], values: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> M:
     """`labels()` remembered per label values. prometheus_client validates the values, takes
-    a lock and builds a key on every call (0.7 µs); the request path calls it about twenty
-    times per request (issue 14). `remove()` and `clear()` forget what was remembered, so a
+    a lock and builds a key on every call; the request path calls it about twenty times per
+    request. `remove()` and `clear()` forget what was remembered, so a
     remembered child is always the one the registry exports."""
     if kwargs:
         return make(*values, **kwargs)
@@ -155,9 +157,19 @@ class Metrics:
             "kvgate_reservation_growths", "Predicted reservations grown because the answer "
             "outran its prediction.", ["pool"], registry=r,
         )
+        self.length_predictions = Counter(
+            "kvgate_length_predictions", "Answer lengths predicted for predicted-mode "
+            "reservations, by the history that answered: shape, shape_any_tenant, "
+            "tenant_budget, budget, model, fleet, or prior (nothing known yet).",
+            ["pool", "source"], registry=r,
+        )
         self.headroom = Gauge(
             "kvgate_replica_headroom_requests", "How many more requests of the pool's recent "
-            "p95 worst case fit on the replica's ledger.", ["replica", "pool"], registry=r,
+            "p95 size fit on the replica's ledger now, by basis: predicted (the predicted-mode "
+            "limit, admissible × overcommit, less what is reserved, over the p95 of recent "
+            "predicted reservations) or worst_case (the admissible blocks less what is "
+            "reserved, over the p95 of recent worst cases). In worst_case mode both agree.",
+            ["replica", "pool", "basis"], registry=r,
         )
         self.leases_dropped = Counter(
             "kvgate_leases_dropped", "Leases this instance held longer than their request may "
@@ -342,10 +354,13 @@ class Metrics:
         """Remove every per-replica series of a replica that left the fleet."""
         for metric in vars(self).values():
             names = getattr(metric, "_labelnames", None)
-            values = {"replica": replica, "pool": pool}
-            if names and set(names) <= values.keys() and "replica" in names:
-                with contextlib.suppress(KeyError):
-                    metric.remove(*(values[n] for n in names))
+            if not names or "replica" not in names:
+                continue
+            for basis in BASES:  # the only other label a per-replica gauge has
+                values = {"replica": replica, "pool": pool, "basis": basis}
+                if set(names) <= values.keys():
+                    with contextlib.suppress(KeyError):
+                        metric.remove(*(values[n] for n in names))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

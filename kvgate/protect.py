@@ -20,8 +20,8 @@ bounded by its own timeout, and a request whose handler has returned holds nothi
 Both start the step at once, in the caller's turn of the event loop (like Python 3.12's eager
 tasks): a step that never suspends — every call to the in-memory store — completes there, with
 no task, no shield and no extra loop round, and no cancellation can reach it. Only a step that
-suspends gets a task of its own that carries it on (issue 14: one task per store call was 5–8%
-of the proxy's CPU). Unlike 3.12, that first stretch sees the caller as the current task, so a
+suspends gets a task of its own that carries it on (a task per store call is a measurable
+share of the proxy's CPU). Unlike 3.12, that first stretch sees the caller as the current task, so a
 step must not enter `asyncio.timeout()` before it first suspends (kvgate's store calls do not:
 the Redis store's timeouts live in its pipeline's task).
 """

@@ -9,16 +9,17 @@ never changes the rules under a request in flight. Background stages, and the st
 request shares (a pool's queue, the circuits, the leases), read the config in force whenever
 they need a setting, through one accessor (`kvgate.config.CurrentConfig`); nothing is copied
 into them at reload. Loading a runtime is where a config is refused for what the schema alone
-cannot tell: a tokenizer that does not load, a routing scorer that does not exist.
+cannot tell: a tokenizer that does not load, a routing plugin that does not exist or that
+refuses its parameters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.catalog import Catalog
 from kvgate.config import Config
-from kvgate.routing.router import check_scorers
+from kvgate.request.catalog import Catalog
+from kvgate.routing.router import check_routing
 from kvgate.tenants import Directory
 
 
@@ -32,7 +33,7 @@ class Runtime:
     def load(cls, config: Config, previous: Runtime | None = None) -> Runtime:
         """Everything `config` needs to serve, loaded now; raises ConfigError or
         TokenizerError. Tokenizers the `previous` runtime loaded are shared, not loaded again."""
-        check_scorers(config.routing.scorers)
+        check_routing(config.routing)
         return cls(
             config,
             Directory(config.auth, config.tenants),

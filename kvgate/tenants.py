@@ -25,9 +25,9 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from kvgate.admission.leases import LeaseKeeper
 from kvgate.config import AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, OverBudget, Unauthorized
-from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
 from kvgate.state.base import (
@@ -139,7 +139,7 @@ class Budgets:
     the request runs, so a killed instance's count comes back within that TTL; without one
     they last CONCURRENCY_TTL_S unrenewed (a request running longer than that stops counting).
 
-    Store calls (issue 14): a charge — the concurrency lease, one request and the worst case in
+    Store calls: a charge — the concurrency lease, one request and the worst case in
     tokens — is one composite step that holds all three or nothing, so a refusal leaves nothing
     to give back; settling (the token correction and the lease's release) is one more, and so
     is giving everything back when the request never ran.

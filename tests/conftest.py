@@ -6,10 +6,25 @@ this suite's virtualenv has none, so it does not collect them.
 
 import importlib.util
 
+import pytest
+
 pytest_plugins = [
+    "tests.plugins.blocking",
     "tests.plugins.redis_server",
     "tests.plugins.sim",
     "tests.plugins.gateway",
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]
+
+# Fixtures that start a kvgate process: a test that uses one is `slow`.
+PROCESS_FIXTURES = {"start_kvgate"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` what starts processes without saying so in the test: a test using a
+    fixture of PROCESS_FIXTURES, and the conformance suite (a vLLM engine each)."""
+    for item in items:
+        uses_a_process = bool(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if uses_a_process or item.nodeid.startswith("tests/conformance/"):
+            item.add_marker(pytest.mark.slow)

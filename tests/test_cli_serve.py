@@ -159,17 +159,17 @@ async def test_reload_refuses_a_tokenizer_that_cannot_load_and_keeps_the_old_con
     config = gateway_config([stub.url])
     gw = await gateway_factory(config)
     bad = gateway_config([stub.url], models=[{"name": "m", "tokenizer": {"kind": "huggingface"}}])
-    assert reload(gw.app, lambda: bad) is False
+    assert await reload(gw.app, lambda: bad) is False
     assert gw.gateway.runtime.config is config
     good = gateway_config([stub.url], default_model={"name": "*", "default_max_tokens": 7})
-    assert reload(gw.app, lambda: good) is True
+    assert await reload(gw.app, lambda: good) is True
     assert gw.gateway.runtime.config is good
 
 
 async def test_serve_with_a_bad_config_exits_2_without_listening(start_kvgate, tmp_path: Path):
     port = free_port()
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({
+    await asyncio.to_thread(path.write_text, yaml.safe_dump({
         "server": {"port": port},
         "pools": {"default": {"replicas": [{"url": "gpu-a:8000"}]}},
         "tenants": [{"name": "acme", "colour": "red"}],
@@ -205,8 +205,8 @@ async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
     path = tmp_path / "kvgate.yaml"
     file_port, port = free_port(), free_port()
 
-    def write(replica_url: str, default_max_tokens: int) -> None:
-        path.write_text(yaml.safe_dump({
+    async def write(replica_url: str, default_max_tokens: int) -> None:
+        await asyncio.to_thread(path.write_text, yaml.safe_dump({
             "server": {"port": file_port},  # the --port flag wins over this
             "discovery": {"interval_s": 0.1},
             "pools": {"default": {"replicas": [{"url": replica_url}]}},
@@ -217,7 +217,7 @@ async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
         kvgate.proc.send_signal(signal.SIGHUP)
         await kvgate.wait_for("config reloaded", count=reloads)
 
-    write(old.url, 11)
+    await write(old.url, 11)
     kvgate = await start_kvgate("--config", str(path), "--port", str(port))
     await kvgate.wait_for(f"kvgate listening on http://127.0.0.1:{port}")
     url = f"http://127.0.0.1:{port}"
@@ -226,13 +226,13 @@ async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
     assert old.received[-1]["max_tokens"] == 11
 
     # A good file takes effect.
-    write(old.url, 22)
+    await write(old.url, 22)
     await reload(1)
     assert (await chat(url))[0] == 200
     assert old.received[-1]["max_tokens"] == 22
 
     # A bad file is refused, logged, and the old config keeps serving.
-    path.write_text("pools:\n  default:\n    replicas:\n      - url: not-a-url\nbogus: 1\n")
+    await asyncio.to_thread(path.write_text, "pools:\n  default:\n    replicas:\n      - url: not-a-url\nbogus: 1\n")
     kvgate.proc.send_signal(signal.SIGHUP)
     await kvgate.wait_for("config reload refused")
     await kvgate.wait_for("pools.default.replicas[0].url: not an http(s) URL")
@@ -248,7 +248,7 @@ async def test_sighup_reloads_refuses_a_bad_file_and_spares_requests_in_flight(
         stream = await session.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
         assert b"tok0" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
         assert old.received[-1]["max_tokens"] == 22
-        write(new.url, 33)
+        await write(new.url, 33)
         await reload(2)
         deadline = time.monotonic() + 10
         while True:  # new requests move to the new replica once discovery has seen it
@@ -301,7 +301,7 @@ async def test_sigterm_under_load_stops_accepting_finishes_streams_in_flight_and
     gate = asyncio.Event()
     stub = await stub_factory(chunks=3, gate=gate)  # every stream waits after its first chunk
     path, port = tmp_path / "kvgate.yaml", free_port()
-    path.write_text(yaml.safe_dump({
+    await asyncio.to_thread(path.write_text, yaml.safe_dump({
         "server": {"port": port, "drain_s": 20}, "discovery": {"interval_s": 0.1},
         "pools": {"default": {"replicas": [{"url": stub.url}]}},
     }))
@@ -309,8 +309,10 @@ async def test_sigterm_under_load_stops_accepting_finishes_streams_in_flight_and
     url = f"http://127.0.0.1:{port}"
     await wait_ready(url)
     async with aiohttp.ClientSession() as session:
-        streams = [await session.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
-                   for _ in range(8)]
+        # a small max_tokens: all eight fit the stub's ledger at once (without one, each
+        # would be bounded by the stub's whole context, and only three would)
+        body = {**CHAT, "stream": True, "max_tokens": 8}
+        streams = [await session.post(f"{url}/v1/chat/completions", json=body) for _ in range(8)]
         for stream in streams:  # all eight are mid-stream
             assert b"tok0" in await asyncio.wait_for(stream.content.readuntil(b"\n\n"), 10)
         kvgate.proc.send_signal(signal.SIGTERM)
@@ -335,6 +337,7 @@ async def test_sigterm_under_load_stops_accepting_finishes_streams_in_flight_and
     assert "Traceback" not in kvgate.log
 
 
+@pytest.mark.slow
 async def test_a_stderr_nobody_reads_never_stalls_requests_and_no_log_line_is_lost(
     stub_factory, tmp_path: Path
 ):
@@ -343,7 +346,7 @@ async def test_a_stderr_nobody_reads_never_stalls_requests_and_no_log_line_is_lo
     stub = await stub_factory()
     port = free_port()
     path = tmp_path / "kvgate.yaml"
-    path.write_text(yaml.safe_dump({
+    await asyncio.to_thread(path.write_text, yaml.safe_dump({
         "server": {"port": port, "access_log": True},
         "discovery": {"interval_s": 0.1},
         "pools": {"default": {"replicas": [{"url": stub.url}]}},

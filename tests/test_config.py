@@ -308,3 +308,48 @@ def test_flags_win_over_the_file(tmp_path: Path):
 def test_serve_needs_a_file_or_an_upstream():
     with pytest.raises(ConfigError, match="--config FILE or at least one --upstream"):
         config_loader(serve_args())()
+
+
+def test_with_nothing_configured_requests_wait_a_minute_and_no_class_has_a_latency_target():
+    config = parse_config(minimal(), {})
+    queue = config.admission.queue
+    assert queue.max_wait_s == 60
+    assert all(queue.target(c) is None and queue.budget(c) == 60
+               for c in ("critical", "standard", "sheddable"))
+    assert config.default_model.default_max_tokens is None
+
+
+def test_a_tenants_latency_target_wins_over_its_class():
+    config = parse_config(minimal(
+        admission={"queue": {"ttft_target_s": {"standard": 2}}},
+        tenants=[{"name": "fast", "ttft_target_s": 0.5}, {"name": "plain"}],
+    ), {})
+    queue = config.admission.queue
+    fast, plain = (config.tenant(n) for n in ("fast", "plain"))
+    assert fast is not None and plain is not None
+    assert queue.target(fast.priority, fast.ttft_target_s) == 0.5
+    assert queue.target(plain.priority, plain.ttft_target_s) == 2
+    assert queue.target("sheddable") is None
+
+
+def test_the_old_wait_budget_key_loads_as_the_latency_target_with_a_warning_naming_it(
+    caplog: pytest.LogCaptureFixture,
+):
+    config = parse_config(minimal(admission={"queue": {"wait_budget_s": {"standard": 2}}}), {})
+    assert config.admission.queue.target("standard") == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "wait_budget_s" in r.getMessage()]
+    assert "admission.queue.ttft_target_s" in warning
+    assert problems(minimal(admission={"queue": {
+        "wait_budget_s": {"standard": 2}, "ttft_target_s": {"standard": 1}}})) == [
+        "admission.queue: wait_budget_s is the old name of ttft_target_s: set only ttft_target_s"
+    ]
+
+
+def test_a_session_wait_must_be_shorter_than_every_latency_target():
+    assert problems(minimal(
+        tenants=[{"name": "fast", "ttft_target_s": 0.2}],
+        routing={"sessions": {"affinity_wait_s": 0.25}},
+    )) == [
+        "routing.sessions.affinity_wait_s: 0.25s must be shorter than the shortest latency "
+        "target or max_wait_s (0.2s), or a session's request misses it waiting for its replica"
+    ]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import openai
 import orjson
+import pytest
 
 from kvgate.cli import main
+from kvgate.commands import demo
+from kvgate.request.tokens import load_tiktoken
 
 
+@pytest.mark.slow
 def test_demo_workload_runs_three_ways_and_worst_case_never_preempts(capsys):
     code = main(["demo", "--workload", "--json", "--duration", "3", "--rate", "30",
                  "--time-scale", "0.5", "--seed", "7"])
@@ -22,6 +27,13 @@ def test_demo_workload_runs_three_ways_and_worst_case_never_preempts(capsys):
         # Goodput counts completed requests only, per simulated second of the workload.
         assert 0 <= side["goodput_per_s"] <= side["completed"] / (3 / 0.5) + 0.001
         assert side["preemptions"] == sum(r["preemptions"] for r in side["replicas"].values())
+    # The chats' classes have a latency target: what kvgate refuses for it, it refuses at
+    # arrival; the batch class has none, and is never refused for one.
+    for side in (worst, predicted):
+        early = side["refused_at_arrival"]
+        assert sum(early.values()) == side["refused"].get("429 wait_budget_exceeded", 0)
+        assert early["batch"] == 0
+        assert "429 queue_timeout" not in side["refused"]
     # The same overload preempts on the bare fleet and never under worst-case admission.
     assert bare["preemptions"] > 0
     assert worst["preemptions"] == 0
@@ -44,13 +56,12 @@ def chat_hit_rate(side: dict) -> float:
 
 def test_demo_table_has_a_column_per_way_and_a_goodput_row():
     """The text report names the three columns and lays goodput beside the latencies."""
-    from kvgate.commands import demo
-
     side = {"completed": 2, "failed": 0, "refused": {"429 queue_timeout": 1},
             "goodput_per_s": 0.5, "preemptions": 3, "prefix_hit_rate": 0.25,
             "ttft_s": {"short": {"p50": 0.1, "p99": 0.2}, "long": {"p50": None, "p99": None}},
             "e2e_s": {"short": {"p50": 1.0, "p99": 2.0}, "long": {"p50": None, "p99": None}},
-            "replicas": {"normal-a": {"preemptions": 3, "prefix_hit_rate": 0.25}}}
+            "replicas": {"normal-a": {"preemptions": 3, "prefix_hit_rate": 0.25}},
+            "refused_at_arrival": {"vip": 0, "chat-app": 4, "batch": 0}}
     report = {"workload": {"requests": 3, "long": 0, "duration_s": 1, "rate_per_s": 3,
                            "time_scale": 1.0},
               "no_admission": side, "worst_case": side, "predicted": side}
@@ -61,15 +72,22 @@ def test_demo_table_has_a_column_per_way_and_a_goodput_row():
     assert goodput.split()[-3:] == ["0.500"] * 3
     refused = next(line for line in text.splitlines() if "queue_timeout" in line)
     assert refused.split()[-3:] == ["1"] * 3
+    early = next(line for line in text.splitlines() if line.startswith("refused at arrival: chat"))
+    assert early.split()[-3:] == ["4"] * 3
+    assert "batch (sheddable) has no target" in text
 
 
+def test_the_demo_sets_latency_targets_for_its_interactive_classes_only():
+    sims = {name: type("Sim", (), {"url": f"http://127.0.0.1:{9000 + i}"})()
+            for i, name in enumerate(("normal-a", "normal-b", "long"))}
+    queue = demo.gateway_config(sims, 0, time_scale=0.5).admission.queue  # type: ignore[arg-type]
+    assert queue.target("critical") == queue.target("standard") == 1.0  # 2 s simulated
+    assert queue.target("sheddable") is None
+
+
+@pytest.mark.slow
 async def test_the_readme_snippet_works_against_the_demo_fleet():
     """What the demo's banner tells a new user to run, with its api_key, completes."""
-    import openai
-
-    from kvgate.commands import demo
-    from kvgate.tokens import load_tiktoken
-
     fleet = await demo.start_fleet(load_tiktoken(), time_scale=0.01)
     runner, url = await demo.start_gateway(demo.gateway_config(fleet, 0))
     try:
@@ -94,6 +112,7 @@ def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
     assert "kvgate top --url http://127.0.0.1:8080 --admin-key demo-admin --once" in hint
 
 
+@pytest.mark.slow
 def test_demo_plot_writes_the_kv_lines_and_the_ttft_cdfs(tmp_path, capsys):
     code = main(["demo", "--workload", "--json", "--duration", "2", "--rate", "30",
                  "--time-scale", "0.5", "--seed", "3", "--plot", str(tmp_path)])
@@ -108,6 +127,7 @@ def test_demo_plot_needs_the_workload(tmp_path, capsys):
     assert "--plot needs --workload" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 async def test_the_demo_gateway_opens_its_admin_view_to_the_key_it_prints(
     sim_factory, gateway_factory
 ):

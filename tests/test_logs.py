@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvgate.logs import BatchingHandler
 
 
@@ -91,6 +93,7 @@ restore(replaced)
 """
 
 
+@pytest.mark.slow
 def test_workers_sharing_one_stderr_never_splice_each_others_lines():
     # `--workers N` processes inherit one stderr pipe; with a slow reader it stays full, and
     # writes larger than the pipe's atomic size interleave mid-line.

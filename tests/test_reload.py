@@ -16,8 +16,10 @@ import pytest
 
 from kvgate.app import RESTART_ONLY, reload
 from kvgate.config import Config, parse_config
+from kvgate.state.memory import MemoryStore
+from tests.plugins.clock import VirtualTime
 from tests.plugins.gateway import RunningGateway, StubUpstream, gateway_config
-from tests.tenants.support import eventually
+from tests.plugins.waiting import eventually
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**CHAT, "stream": True}
@@ -30,12 +32,12 @@ async def running(stub_factory, gateway_factory) -> tuple[RunningGateway, Any, A
     return gw, first, second
 
 
-def again(gw: RunningGateway, **sections: Any) -> Config:
+async def again(gw: RunningGateway, **sections: Any) -> Config:
     """The running config with `sections` replaced, reloaded."""
     tree = gw.gateway.runtime.config.model_dump(mode="json", exclude_none=True)
     tree.update(sections)
     config = parse_config(tree)
-    assert reload(gw.app, lambda: config) is True
+    assert await reload(gw.app, lambda: config) is True
     return config
 
 
@@ -56,7 +58,7 @@ async def answer(gw: RunningGateway, body: Any) -> tuple[int, bytes, dict[str, s
 
 async def test_server_body_limit_and_headers_change_at_once(running):
     gw, _, _ = running
-    again(gw, server={"max_body_bytes": 64, "accounting_headers": False})
+    await again(gw, server={"max_body_bytes": 64, "accounting_headers": False})
     assert await post(gw, {**CHAT, "padding": "x" * 200}) == 413
 
 
@@ -64,14 +66,14 @@ async def test_timeouts_take_effect_for_the_next_request(running):
     gw, first, _ = running
     first.delay_headers_s = 0.5
     assert await post(gw, CHAT) == 200  # within the 10 s it started with
-    again(gw, timeouts={"connect_s": 1, "first_byte_s": 0.1, "idle_s": 4, "total_s": 5})
+    await again(gw, timeouts={"connect_s": 1, "first_byte_s": 0.1, "idle_s": 4, "total_s": 5})
     assert await post(gw, CHAT) == 504
 
 
 async def test_routing_takes_effect(running):
     gw, first, second = running
     # the same chat again and again: prefix affinity keeps it on one replica, round robin not
-    again(gw, pools={"default": {"replicas": [{"url": first.url}, {"url": second.url}]}},
+    await again(gw, pools={"default": {"replicas": [{"url": first.url}, {"url": second.url}]}},
           routing={"scorers": {"round_robin": 1}})
     await gw.wait_healthy()
     for _ in range(4):
@@ -83,7 +85,7 @@ async def test_calibration_bounds_take_effect(running):
     gw, _, _ = running
     chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
     _, _, before = await answer(gw, chat)
-    again(gw, calibration={"min_ratio": 3, "max_ratio": 4})
+    await again(gw, calibration={"min_ratio": 3, "max_ratio": 4})
     _, _, after = await answer(gw, chat)
     # at least 3 of kvgate's counted tokens per text token now, at most 1.5 before
     assert int(after["X-Kvgate-Prompt-Tokens"]) > int(before["X-Kvgate-Prompt-Tokens"]) + 300
@@ -92,7 +94,7 @@ async def test_calibration_bounds_take_effect(running):
 async def test_admission_takes_effect(running):
     gw, _, _ = running
     g = gw.gateway
-    again(gw, admission={"target_utilization": 0.5, "lease_ttl_s": 9})
+    await again(gw, admission={"target_utilization": 0.5, "lease_ttl_s": 9})
     assert g.admission.keeper.ttl_s == 9
     (view,) = g.fleet(g.current())
     assert view.admissible_blocks == 500  # 0.5 × the stub's 1,000 blocks
@@ -100,9 +102,9 @@ async def test_admission_takes_effect(running):
 
 async def test_upstream_pool_sizes_get_a_new_connection_pool(running):
     gw, _, _ = running
-    before = gw.gateway.relay.session
-    again(gw, upstream={"max_connections": 7, "max_connections_per_replica": 3})
-    session = gw.gateway.relay.session
+    before = gw.gateway.http.session
+    await again(gw, upstream={"max_connections": 7, "max_connections_per_replica": 3})
+    session = gw.gateway.http.session
     assert session is not before and session is not None
     assert (session.connector.limit, session.connector.limit_per_host) == (7, 3)
     assert await post(gw, CHAT) == 200
@@ -111,13 +113,13 @@ async def test_upstream_pool_sizes_get_a_new_connection_pool(running):
 
 async def test_pools_models_and_discovery_take_effect(running):
     gw, first, second = running
-    again(gw, pools={"default": {"replicas": [{"url": second.url}]}},
+    await again(gw, pools={"default": {"replicas": [{"url": second.url}]}},
           models=[{"name": "stub-model", "default_max_tokens": 7}])
     await gw.wait_healthy()
     assert [r.url for r in gw.gateway.registry] == [second.url]
     assert await post(gw, CHAT) == 200
     assert second.received[-1]["max_tokens"] == 7 and not first.received
-    again(gw, discovery={"interval_s": 0.1, "timeout_s": 1, "stale_after_s": 1e-6})
+    await again(gw, discovery={"interval_s": 0.1, "timeout_s": 1, "stale_after_s": 1e-6})
     (view,) = gw.gateway.fleet(gw.gateway.current())
     assert not view.scraped  # every scrape is now too old to trust
 
@@ -125,7 +127,7 @@ async def test_pools_models_and_discovery_take_effect(running):
 async def test_auth_and_tenants_take_effect(running):
     gw, _, _ = running
     key = "sk-reloaded"
-    again(gw, auth={"mode": "api_key"},
+    await again(gw, auth={"mode": "api_key"},
           tenants=[{"name": "acme", "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}])
     assert await post(gw, CHAT) == 401
     assert await post(gw, CHAT, {"Authorization": f"Bearer {key}"}) == 200
@@ -134,7 +136,7 @@ async def test_auth_and_tenants_take_effect(running):
 async def test_restart_only_settings_are_named_in_the_reload_log(running, caplog):
     gw, _, _ = running
     with caplog.at_level(logging.INFO, logger="kvgate.app"):
-        again(gw, server={"port": 9999, "drain_s": 1},
+        await again(gw, server={"port": 9999, "drain_s": 1},
               state={"backend": "memory", "key_prefix": "other"})
     (line,) = [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()]
     assert "restart" in line and "server.port" in line and "server.drain_s" in line
@@ -158,9 +160,9 @@ async def test_a_request_queued_through_a_reload_is_forwarded_under_its_own_time
     holding = asyncio.ensure_future(answer(gw, {**body, "stream": True}))
     await eventually(lambda: _received(stub, 1), what="the first request reached the replica")
     queued = asyncio.ensure_future(answer(gw, body))
-    queue = gw.gateway.admission._pool("default").queue
+    queue = gw.gateway.admission.pool("default").queue
     await eventually(lambda: _queued(queue, 1), what="the second request queued")
-    again(gw, admission={"target_utilization": 1.0},
+    await again(gw, admission={"target_utilization": 1.0},
           timeouts={"connect_s": 1, "first_byte_s": 0.1, "idle_s": 10, "total_s": 30})
     stub.delay_headers_s = 0.5  # past the new first_byte_s, well within the old
     assert stub.gate is not None
@@ -181,7 +183,7 @@ async def test_a_request_in_flight_keeps_its_retry_across_a_reload(stub_factory,
     ))
     request = asyncio.ensure_future(post(gw, CHAT))
     await eventually(lambda: _received(failing, 1), what="the request reached the failing replica")
-    again(gw, routing={"scorers": {"round_robin": 1}, "retry": {"attempts": 0}})
+    await again(gw, routing={"scorers": {"round_robin": 1}, "retry": {"attempts": 0}})
     assert await request == 200  # retried elsewhere, as its own config allowed
     assert len(healthy.received) == 1
     # round robin's turn (two rankings later) is back at the failing replica, and a new request
@@ -206,9 +208,9 @@ async def test_a_lower_queue_depth_refuses_the_next_newcomer(stub_factory, gatew
     running = asyncio.ensure_future(answer(gw, body))
     await eventually(lambda: _received(stub, 1), what="the first request reached the replica")
     waiting = asyncio.ensure_future(answer(gw, body))
-    queue = gw.gateway.admission._pool("default").queue
+    queue = gw.gateway.admission.pool("default").queue
     await eventually(lambda: _queued(queue, 1), what="the second request queued")
-    again(gw, admission={"target_utilization": 1.0, "queue": {"max_depth": 1}})
+    await again(gw, admission={"target_utilization": 1.0, "queue": {"max_depth": 1}})
     status, refused, _ = await answer(gw, body)
     assert status == 429 and orjson.loads(refused)["error"]["code"] == "queue_full"
     assert stub.gate is not None
@@ -222,13 +224,16 @@ async def _queued(queue: Any, count: int) -> bool:
 
 async def test_leases_taken_under_a_shorter_ttl_are_renewed_in_time(stub_factory, gateway_factory):
     stub = await stub_factory(gate=asyncio.Event())
-    gw = await gateway_factory(gateway_config([stub.url]))  # 30 s: renewed every 10 s
-    again(gw, admission={"lease_ttl_s": 1.0})
+    time = VirtualTime()
+    gw = await gateway_factory(  # 30 s: renewed every 10 s
+        gateway_config([stub.url]), MemoryStore(clock=time), clock=time, sleep=time.sleep
+    )
+    await again(gw, admission={"lease_ttl_s": 1.0})
     streaming = asyncio.ensure_future(answer(gw, STREAM))
     await eventually(lambda: _received(stub, 1), what="the request reached the replica")
     (replica,) = gw.gateway.registry
     held = await gw.gateway.store.held(f"ledger:{replica.id}")
-    await asyncio.sleep(2.5)  # its lease would have expired 1 s after it was taken
+    await time.elapse(2.5)  # its lease would have expired 1 s after it was taken
     assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
     assert stub.gate is not None
     stub.gate.set()
@@ -241,13 +246,17 @@ async def test_a_longer_ttl_lets_no_lease_expire_before_its_next_renewal(
     # Leases in flight were last renewed under 0.6 s; the reload makes it 6 s. Waiting the new
     # interval (2 s) before renewing would let them lapse at 0.6 s, and never come back.
     stub = await stub_factory(gate=asyncio.Event())
-    gw = await gateway_factory(gateway_config([stub.url], admission={"lease_ttl_s": 0.6}))
+    time = VirtualTime()
+    gw = await gateway_factory(
+        gateway_config([stub.url], admission={"lease_ttl_s": 0.6}),
+        MemoryStore(clock=time), clock=time, sleep=time.sleep,
+    )
     streaming = asyncio.ensure_future(answer(gw, STREAM))
     await eventually(lambda: _received(stub, 1), what="the request reached the replica")
     (replica,) = gw.gateway.registry
     held = await gw.gateway.store.held(f"ledger:{replica.id}")
-    again(gw, admission={"lease_ttl_s": 6.0})
-    await asyncio.sleep(1.5)
+    await again(gw, admission={"lease_ttl_s": 6.0})
+    await time.elapse(1.5)
     assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
     assert stub.gate is not None
     stub.gate.set()
@@ -258,10 +267,29 @@ async def test_discovery_follows_a_shorter_interval_at_once(stub_factory, gatewa
     stub = await stub_factory()
     gw = await gateway_factory(gateway_config([stub.url], discovery={"interval_s": 30}))
     scraped = stub.scrapes
-    again(gw, discovery={"interval_s": 0.1})
+    await again(gw, discovery={"interval_s": 0.1})
 
     async def scraped_again() -> bool:
         return stub.scrapes >= scraped + 3
 
     # the loop was 30 s from its next round; it follows the new interval within a second
     await eventually(scraped_again, timeout_s=3.0, what="three rounds at the new interval")
+
+
+async def test_reloads_asked_together_run_one_at_a_time_and_the_last_asked_wins(running):
+    """Each reload reads its file in a thread; two SIGHUPs close together must not race to
+    install an older file over a newer one."""
+    gw, _, _ = running
+    tree = gw.gateway.runtime.config.model_dump(mode="json", exclude_none=True)
+    configs = [parse_config({**tree, "server": {**tree["server"], "max_body_bytes": size}})
+               for size in (1000, 2000, 3000)]  # fmt: skip
+    loaded: list[int] = []
+
+    def load(config: Config) -> Config:
+        loaded.append(config.server.max_body_bytes)
+        return config
+
+    results = await asyncio.gather(*(reload(gw.app, lambda c=c: load(c)) for c in configs))
+    assert results == [True, True, True]
+    assert loaded == [1000, 2000, 3000]
+    assert gw.gateway.runtime.config.server.max_body_bytes == 3000

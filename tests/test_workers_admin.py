@@ -24,7 +24,7 @@ async def test_two_workers_share_the_admin_listener_and_its_scrape_shows_both(
     stub = await stub_factory()
     port, admin_port = free_port(), free_port()
     path = tmp_path / "kvgate.yaml"
-    path.write_text(yaml.safe_dump({
+    await asyncio.to_thread(path.write_text, yaml.safe_dump({
         "server": {"port": port, "admin": {
             "port": admin_port, "require_token": True,
             "token_sha256": hashlib.sha256(TOKEN.encode()).hexdigest()}},
@@ -35,7 +35,8 @@ async def test_two_workers_share_the_admin_listener_and_its_scrape_shows_both(
     url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     await wait_ready(url)
     for _ in range(4):
-        assert (await chat(url))[0] == 200
+        answer = await chat(url)
+        assert answer[0] == 200, answer
     deadline = time.monotonic() + 20
     workers: set[str] = set()
     async with aiohttp.ClientSession() as http:

@@ -58,10 +58,6 @@ async def admin_middleware(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
-def separate(config: Config) -> bool:
-    return config.server.admin.port is not None
-
-
 def build_admin_app(gateway: Gateway) -> web.Application:
     """The admin listener's application: /admin/*, /metrics and /health over the same gateway
     the API listener serves (its background services run in the API application)."""

@@ -13,7 +13,7 @@ Also here, because they concern connections rather than requests:
 - the header read timeout: aiohttp's keep-alive timer runs from the moment a connection opens
   and closes it if no whole request has arrived when it fires, so a header section that
   trickles in is cut off after `keepalive_timeout` (config `server.client_timeout_s`). The
-  body's own timeout is in `kvgate.requests.read_body`.
+  body's own timeout is in `kvgate.request.parsed.read_body`.
 
 aiohttp builds its `Server` inside `Application._make_handler` and offers no seam to choose the
 protocol class, so `GuardedRunner` re-classes the server it made (`GuardedServer` only adds

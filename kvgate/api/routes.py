@@ -14,9 +14,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
-from kvgate.gateway import REQUEST_INFO, Gateway, RequestInfo, new_request_info
-from kvgate.requests import Endpoint
-from kvgate.routing.drain import set_drain
+from kvgate.fleet.drain import set_drain
+from kvgate.fleet.snapshot import BASES
+from kvgate.gateway import Gateway
+from kvgate.request.info import REQUEST_INFO, RequestInfo, new_request_info
+from kvgate.request.parsed import Endpoint
 from kvgate.workers import PEERS
 
 log = logging.getLogger(__name__)
@@ -192,8 +194,9 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "admissible_blocks": view.admissible_blocks,
             "reserved_blocks": view.reserved_blocks,
             "written_blocks": view.written_blocks,
-            "headroom_blocks": view.headroom_blocks,
-            "headroom_requests": view.headroom_requests,
+            # at predicted demand and at the worst case (kvgate_replica_headroom_requests)
+            "headroom_blocks": {basis: view.headroom_blocks(basis) for basis in BASES},
+            "headroom_requests": {basis: view.headroom_requests(basis) for basis in BASES},
             "overcommit": view.overcommit,
             "inflight": view.inflight,
             "shared_prefix_blocks": view.shared_prefix_blocks,
@@ -211,7 +214,7 @@ def _drain_handler(drain: bool) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         """Drain a replica (no new requests; in-flight ones finish; its sessions are rebound
         on their next request) or take it back: here at once, on every instance sharing the
-        state store within a discovery interval (`kvgate.routing.drain`)."""
+        state store within a discovery interval (`kvgate.fleet.drain`)."""
         gateway = request.app[GATEWAY]
         replica = gateway.registry.get(request.match_info["replica"])
         if replica is None:

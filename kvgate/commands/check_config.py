@@ -8,8 +8,8 @@ import sys
 import yaml
 
 from kvgate.config import ConfigError, load_config, masked
+from kvgate.request.tokens import TokenizerError
 from kvgate.runtime import Runtime
-from kvgate.tokens import TokenizerError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

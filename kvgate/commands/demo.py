@@ -8,7 +8,9 @@ documents to the long replica, chats round robin over the others), through kvgat
 the worst case, and through kvgate admitting on predicted demand, with prompt normalization off
 and on (timestamps relocated out of the system prompt) — and prints what happened
 side by side: latencies, goodput (requests per simulated second whose first token came within
-its target), preemptions and prefix-cache hits.
+its target), preemptions and prefix-cache hits. The chats' classes have a latency target in
+kvgate (the goodput target): a chat kvgate expects to start later is refused at arrival with
+Retry-After, and the report counts those per tenant; the batch class has none and waits.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from kvgate.api.routes import GATEWAY
 from kvgate.app import build_app
 from kvgate.commands import demo_plot
 from kvgate.config import Config, parse_config
+from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
-from kvgate.tokens import load_tiktoken
-from kvgate.workload import build_workload, goodput, run_workload, summarize
+from kvgate.tools.workload import build_workload, goodput, run_workload, summarize
 
 # Sized so the workload overloads the normal replicas: 6,400 tokens of KV each.
 FLEET: dict[str, dict[str, Any]] = {
@@ -55,6 +57,11 @@ DEMO_KEYS = {"anonymous": "demo"}
 DEMO_ADMIN_KEY = "demo-admin"
 # Latency targets for goodput, in simulated seconds (× --time-scale on the wall clock).
 SHORT_TTFT_SLO_S, LONG_TTFT_SLO_S = 2.0, 10.0
+# kvgate's latency targets (admission.queue.ttft_target_s) for the interactive classes, the
+# chats' (vip is critical, chat-app standard): what could not start within the goodput target
+# is refused at arrival rather than served late. The batch class (sheddable) has none: it waits.
+TTFT_TARGETS_S = {"critical": SHORT_TTFT_SLO_S, "standard": SHORT_TTFT_SLO_S}
+AFFINITY_WAIT_S = 0.25  # kvgate's default, in simulated seconds like the targets
 # The columns of `--workload`: no admission, then kvgate in each admission mode; and kvgate
 # predicted without prompt normalization, to show what it does to prefix-cache hits.
 COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst",
@@ -109,7 +116,8 @@ async def _main(args: argparse.Namespace) -> int:
     tokenizer = await asyncio.to_thread(load_tiktoken)
     if not args.workload:
         fleet = await start_fleet(tokenizer, args.time_scale)
-        runner, url = await start_gateway(gateway_config(fleet, args.port))
+        runner, url = await start_gateway(gateway_config(fleet, args.port,
+                                                         time_scale=args.time_scale))
         print(banner(url, fleet))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -150,7 +158,8 @@ async def _main(args: argparse.Namespace) -> int:
             f"{', no normalization' if raw else ''} ...")
         fleet = await start_fleet(tokenizer, args.time_scale)
         normalization = {"enabled": False} if raw else NORMALIZATION
-        runner, url = await start_gateway(gateway_config(fleet, 0, mode, normalization))
+        runner, url = await start_gateway(
+            gateway_config(fleet, 0, mode, normalization, args.time_scale))
         recorder = None
         if args.plot and column_key == "predicted":
             recorder = asyncio.get_running_loop().create_task(demo_plot.record_kv(
@@ -220,12 +229,25 @@ def column(results: list[Any], fleet: dict[str, SimReplica], args: argparse.Name
         "preemptions": sum(r["preemptions"] for r in replicas.values()),
         "prefix_hit_rate": round(hits / queries, 3) if queries else None,
         "replicas": replicas,
+        "refused_at_arrival": refused_at_arrival(results),
     }
 
 
+def refused_at_arrival(results: list[Any]) -> dict[str, int]:
+    """Per tenant, the requests kvgate refused at once because they would have missed their
+    class's latency target (429 wait_budget_exceeded)."""
+    tenants = [t["name"] for t in TENANTS if t["name"] != "anonymous"]
+    return {t: sum(r.tenant == t and r.error_code == "wait_budget_exceeded" for r in results)
+            for t in tenants}
+
+
 def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted",
-                   normalization: dict[str, Any] | None = None) -> Config:
+                   normalization: dict[str, Any] | None = None, time_scale: float = 1.0,
+                   ) -> Config:  # fmt: skip
+    """kvgate in front of the demo's fleet; durations in simulated seconds × `time_scale`."""
     admin = {"token_sha256": hashlib.sha256(DEMO_ADMIN_KEY.encode()).hexdigest()}
+    scale = time_scale or 1.0
+    targets = {name: round(s * scale, 4) for name, s in TTFT_TARGETS_S.items()}
     return parse_config({
         "server": {"port": port, "admin": admin},
         "pools": {
@@ -235,7 +257,9 @@ def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predict
                      "min_worst_case_tokens": 3072},
         },
         "discovery": {"interval_s": 0.5},
-        "admission": {"mode": mode, "queue": {"max_wait_s": 20, "max_depth": 1024}},
+        "admission": {"mode": mode, "queue": {"max_wait_s": 20, "max_depth": 1024,
+                                              "ttft_target_s": targets}},
+        "routing": {"sessions": {"affinity_wait_s": round(AFFINITY_WAIT_S * scale, 4)}},
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32", "::1/128"]},
         "tenants": [_with_keys(t) for t in TENANTS],
@@ -308,17 +332,19 @@ def render(report: dict[str, Any]) -> str:
             f"{w['duration_s']:g}s, {w['rate_per_s']:g}/s", ""]
     shown = [key for key in COLUMNS if key in report]
     columns = [report[key] for key in shown]
-    rows.append(f"{'':28}" + "".join(f"{COLUMNS[key]:>18}" for key in shown))
+    rows.append(f"{'':34}" + "".join(f"{COLUMNS[key]:>18}" for key in shown))
 
     def row(label: str, *path: str, default: Any = None) -> None:
         """One figure per column, found in each column's report along `path`."""
         values = [_dig(c, path, default) for c in columns]
-        rows.append(f"{label:28}" + "".join(f"{_fmt(v):>18}" for v in values))
+        rows.append(f"{label:34}" + "".join(f"{_fmt(v):>18}" for v in values))
 
     row("completed", "completed")
     row("failed (5xx, dropped)", "failed")
     for reason in sorted(set().union(*(c["refused"] for c in columns))):
         row(f"refused {reason}", "refused", reason, default=0)
+    for tenant in columns[0].get("refused_at_arrival", {}):
+        row(f"refused at arrival: {tenant}", "refused_at_arrival", tenant, default=0)
     row("goodput (req/s, simulated)", "goodput_per_s")
     for kind in ("short", "long"):
         for q in ("p50", "p99"):
@@ -334,7 +360,12 @@ def render(report: dict[str, Any]) -> str:
         row(f"{name} prefix hit rate", "replicas", name, "prefix_hit_rate")
     rows += ["", f"goodput: requests per simulated second whose first token came within "
              f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) simulated "
-             f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds."]
+             f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds.",
+             "refused at arrival: chats whose class has a latency target in kvgate "
+             f"({', '.join(f'{c} {s:g} s' for c, s in TTFT_TARGETS_S.items())} simulated;",
+             "vip is critical, chat-app standard) that kvgate expected to start later: 429 "
+             "wait_budget_exceeded at once, with Retry-After. batch (sheddable) has no target:",
+             "it waits for room (up to max_wait_s), as it would on vLLM."]
     return "\n".join(rows)
 
 

@@ -25,7 +25,7 @@ from kvgate.config import (
     read_tree,
 )
 from kvgate.logs import restore, write_logs_from_a_thread
-from kvgate.tokens import TokenizerError
+from kvgate.request.tokens import TokenizerError
 from kvgate.workers import PEERS, Peers, default_workers, private_site, supervise
 
 log = logging.getLogger("kvgate")
@@ -137,8 +137,15 @@ async def serve(
         started(url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[bool]] = set()  # held until done: a task nobody holds may vanish
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(reload(app, load))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     with contextlib.suppress(NotImplementedError):
-        loop.add_signal_handler(signal.SIGHUP, lambda: reload(app, load))
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
     try:

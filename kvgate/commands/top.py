@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 
 if TYPE_CHECKING:
-    from kvgate.topview import Snapshot
+    from kvgate.tools.topview import Snapshot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from kvgate import topview  # noqa: F401  (rich is an optional dependency)
+        from kvgate.tools import topview  # noqa: F401  (rich is an optional dependency)
     except ImportError:
         print("kvgate top needs rich: pip install 'kvgate[top]'", file=sys.stderr)
         return 2
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def fetch(session: aiohttp.ClientSession, url: str, key: str | None) -> Snapshot:
-    from kvgate.topview import Snapshot
+    from kvgate.tools.topview import Snapshot
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     timeout = aiohttp.ClientTimeout(total=5)
@@ -63,7 +63,7 @@ async def _main(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from kvgate.topview import frame
+    from kvgate.tools.topview import frame
 
     url = args.url.rstrip("/")
     key = args.admin_key or None

@@ -8,7 +8,6 @@
     pipeline.py     the rules in order, and `normalize`
     fingerprint.py  prefix fingerprints and the drift tracker
     stage.py        the gateway's stage: settings per model and tenant, metrics
-    noisy.py        a seeded noisy chat workload, for the tests, the benchmark and the demo
 
 This module imports nothing, so that `kvgate.config` can import `kvgate.normalize.config`.
 """

@@ -1,7 +1,7 @@
 """Fingerprints of the shared prefix of a chat — its tools block and its leading system
 messages, as normalized — and the tracker that makes system-prompt drift visible.
 
-A fingerprint is 16 hex digits of a BLAKE2b hash over the model, the canonical JSON of the
+A fingerprint is 16 hex digits of `kvgate.digest` over the model, the canonical JSON of the
 tools and the text of each leading system (or developer) message: what vLLM renders first,
 and so what its prefix cache can share between requests. Two requests with the same
 fingerprint share that prefix byte for byte; routing uses it as the prefix-affinity key.
@@ -10,7 +10,6 @@ Text completions and chats with neither a system message nor tools have none.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -20,10 +19,11 @@ from typing import Any
 
 import orjson
 
+from kvgate.digest import digest
 from kvgate.normalize.config import FingerprintConfig
 from kvgate.normalize.relocate import SYSTEM_ROLES
-from kvgate.requests import Endpoint, ParsedRequest
-from kvgate.tokens import message_text
+from kvgate.request.parsed import Endpoint, ParsedRequest
+from kvgate.request.tokens import message_text
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +36,11 @@ def fingerprint(parsed: ParsedRequest) -> str | None:
     systems = leading_system_texts(parsed.messages)
     if not systems and not tools:
         return None
-    digest = hashlib.blake2b(parsed.model.encode(), digest_size=8)
-    digest.update(b"\x00")
-    if tools:
-        try:
-            digest.update(orjson.dumps(tools))  # as forwarded: canonical once normalized
-        except orjson.JSONEncodeError:  # nested too deep: the counter answers a 400
-            return None
-    for text in systems:
-        digest.update(b"\x00")
-        digest.update(text.encode())
-    return digest.hexdigest()
+    try:
+        tools_json = orjson.dumps(tools) if tools else b""  # as forwarded: canonical once normalized
+    except orjson.JSONEncodeError:  # nested too deep: the counter answers a 400
+        return None
+    return digest(parsed.model, tools_json, *systems, size=8).hex()
 
 
 def leading_system_texts(messages: list[Any]) -> list[str]:

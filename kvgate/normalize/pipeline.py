@@ -31,7 +31,7 @@ from kvgate.normalize.text import (
     trailing_whitespace,
     unicode_nfc,
 )
-from kvgate.requests import Endpoint, ParsedRequest
+from kvgate.request.parsed import Endpoint, ParsedRequest
 
 TextRule = Callable[[str, bool], str]
 BodyRule = Callable[[Body, "Context"], Body]
@@ -137,14 +137,20 @@ def normalize(parsed: ParsedRequest, settings: Settings, clean: CleanTexts | Non
               ) -> Normalized:  # fmt: skip
     tally = Tally()
     body = parsed.body
-    text_rules = settings.text_rules
-    if text_rules:
-        walk = _TextWalk(text_rules, settings.keep_code, tally, clean)
+    walk = None
+    if settings.text_rules:
+        walk = _TextWalk(settings.text_rules, settings.keep_code, tally, clean)
         body = walk.body(body, parsed.endpoint)
     context = Context(settings, tally, clean)
+    texts_cleaned = body
     for rule in settings.body_rules:
         assert rule.body is not None
         body = rule.body(body, context)
+    if walk is not None and body is not texts_cleaned:
+        # a body rule joined or moved texts (two system messages merged: an open code fence
+        # in the first one changes what is code in the second): the text rules see the texts
+        # as they will be sent, so that normalizing again changes nothing
+        body = walk.body(body, parsed.endpoint)
     if body is parsed.body:
         return Normalized(parsed, tally)
     return Normalized(dataclasses.replace(parsed, body=body), tally)

@@ -8,18 +8,18 @@ per config version, model and tenant.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvgate.metrics import Metrics
 from kvgate.normalize.config import NormalizationConfig, NormalizationOverride
-from kvgate.normalize.edits import estimated_tokens
+from kvgate.normalize.edits import Tally, estimated_tokens
 from kvgate.normalize.fingerprint import Tracker, fingerprint, preview
-from kvgate.normalize.pipeline import CleanTexts, Normalized, Settings, normalize
+from kvgate.normalize.pipeline import CleanTexts, Settings, normalize
 from kvgate.normalize.relocate import compile_patterns
-from kvgate.requests import ParsedRequest
+from kvgate.request.parsed import ParsedRequest
 
 if TYPE_CHECKING:
     from kvgate.config import Config, TenantConfig
@@ -38,28 +38,31 @@ class PromptStage:
     def apply(self, parsed: ParsedRequest, tenant: TenantConfig, config: Config
               ) -> tuple[ParsedRequest, str | None]:  # fmt: skip
         """The request as it will be counted and forwarded, and its prefix fingerprint."""
-        settings = self.settings(config, parsed.model, tenant)
-        if settings is not None:
-            result = normalize(parsed, settings, self.clean)
-            self.record(result)
-            parsed = result.request
-        key = fingerprint(parsed)
+        prepared = prepare(parsed, self.settings(config, parsed.model, tenant), self.clean)
+        self.took(prepared, tenant, config)
+        return prepared.request, prepared.fingerprint
+
+    def took(self, prepared: Prepared, tenant: TenantConfig, config: Config) -> None:
+        """Count a prepared prompt (here, or in a worker process): normalization's edits, and
+        its fingerprint among the tenant's."""
+        if prepared.tally is not None:
+            self.record(prepared.tally)
+        key = prepared.fingerprint
         if key is not None:
             fingerprints = config.normalization.fingerprints
             old = self.tracker.observe(
-                tenant.name, parsed.model, key, fingerprints,
-                lambda: preview(parsed, fingerprints.preview_chars),
+                tenant.name, prepared.request.model, key, fingerprints,
+                lambda: prepared.preview(fingerprints.preview_chars),
             )
             if old is not None:
-                self.metrics.system_prompt_changes.labels(tenant.name, parsed.model).inc()
-        return parsed, key
+                self.metrics.system_prompt_changes.labels(tenant.name, prepared.request.model).inc()
 
-    def record(self, result: Normalized) -> None:
-        if not result.changed:
+    def record(self, tally: Tally) -> None:
+        if not tally.edits:
             self._unchanged.inc()
             return
         self._modified.inc()
-        m, tally = self.metrics, result.tally
+        m = self.metrics
         for rule, edits in tally.edits.items():
             m.normalization_edits.labels(rule).inc(edits)
             changed = tally.changed[rule]
@@ -74,9 +77,7 @@ class PromptStage:
             self._config, self._settings = config, {}
         key = (model, tenant.name)
         if key not in self._settings:
-            self._settings[key] = resolve(
-                config.normalization, config.model(model).normalization, tenant.normalization
-            )
+            self._settings[key] = settings_for(config, model, tenant)
         return self._settings[key]
 
     def export(self, config: Config) -> None:
@@ -94,6 +95,40 @@ class PromptStage:
 
     def snapshot(self, config: Config) -> dict[str, Any]:
         return self.tracker.snapshot(config.normalization.fingerprints)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request's prompt normalized and fingerprinted: pure, so that a worker process may
+    prepare it (then with the preview of its system prompt already cut)."""
+
+    request: ParsedRequest  # as normalized: counted and forwarded so
+    tally: Tally | None  # normalization's edits; None: normalization is off
+    fingerprint: str | None
+    system_preview: str | None = None
+
+    @property
+    def edited(self) -> bool:
+        return self.tally is not None and bool(self.tally.edits)
+
+    def preview(self, chars: int) -> str:
+        if self.system_preview is not None:
+            return self.system_preview[:chars]
+        return preview(self.request, chars)
+
+
+def prepare(parsed: ParsedRequest, settings: Settings | None, clean: CleanTexts | None = None
+            ) -> Prepared:  # fmt: skip
+    """Normalize (unless `settings` is None: off) and fingerprint a request's prompt."""
+    tally = None
+    if settings is not None:
+        result = normalize(parsed, settings, clean)
+        parsed, tally = result.request, result.tally
+    return Prepared(parsed, tally, fingerprint(parsed))
+
+
+def settings_for(config: Config, model: str, tenant: TenantConfig) -> Settings | None:
+    return resolve(config.normalization, config.model(model).normalization, tenant.normalization)
 
 
 def resolve(base: NormalizationConfig, *overrides: NormalizationOverride | None
@@ -120,9 +155,3 @@ def resolve(base: NormalizationConfig, *overrides: NormalizationOverride | None
         target=relocate.target,
     )
 
-
-def hit_ratio(hits: float | None, queries: float | None) -> float:
-    """A replica's prefix-cache hits ÷ queries (vLLM counts both in tokens); NaN unknown."""
-    if hits is None or not queries:
-        return math.nan
-    return hits / queries

@@ -10,8 +10,13 @@ affinity from pinning traffic to a saturated replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from kvgate.routing.fleet import ReplicaView
+from pydantic import Field
+
+from kvgate.config import RoutingConfig
+from kvgate.fleet.snapshot import ReplicaView
+from kvgate.routing.plugin import PluginParams
 
 
 def within_bound(
@@ -28,3 +33,15 @@ def within_bound(
     fair = total * view.admissible_blocks / capacity
     after = view.reserved_blocks + blocks
     return after <= max((1 + load_factor) * fair, floor * view.admissible_blocks, blocks)
+
+
+class BoundedLoad(PluginParams):
+    """The parameters of an affinity under bounded load (defaults: `routing.load_factor`,
+    `routing.load_floor`)."""
+
+    load_factor: float = Field(0.25, ge=0)
+    load_floor: float = Field(0.1, ge=0, le=1)
+
+    @staticmethod
+    def defaults(config: RoutingConfig) -> dict[str, Any]:
+        return {"load_factor": config.load_factor, "load_floor": config.load_floor}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.demand import Demand
+from kvgate.admission.demand import Demand
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,3 +13,4 @@ class Route:
     session_key: str | None = None
     prefix: str | None = None  # fingerprint of the prompt's leading part (system prompt, tools)
     exclude: frozenset[str] = frozenset()  # replicas that already failed this request
+    holder: str | None = None  # the request, as the circuit breaker knows it (its trial's)

@@ -1,24 +1,31 @@
 """The routing stage: which replicas may take a request, and in which order to try them.
 
-    filters ──► scorers (each in [0, 1], weighted by config) ──► picker (best first)
+    filters ──► scorers (each in [0, 1], weighted by config) ──► picker (best first, holds)
+            └── after the response: served
 
-shaped like llm-d's endpoint picker. `rank` is called on arrival and again on every attempt
-of a queued request, each time against a fresh `Fleet` snapshot, so a queued request goes
-where room appears, not where it was sent when it joined. Admission tries the ranking in order
-and takes the first replica whose ledger has room: the router expresses a preference, never a
-promise — affinity never overrides capacity.
+shaped like llm-d's endpoint picker. Everything but the fixed eligibility filters below is a
+plugin (`kvgate.routing.plugin`, registered in `kvgate.routing.plugins`). `rank` is called on
+arrival and again on every attempt of a queued request, each time against a fresh `Fleet`
+snapshot, so a queued request goes where room appears, not where it was sent when it joined.
+Admission tries `Ranking.usable` in order and takes the first replica whose ledger has room:
+the router expresses a preference, never a promise — affinity never overrides capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import ValidationError
 
 from kvgate.config import ConfigError, RoutingConfig
 from kvgate.errors import NoReplica
-from kvgate.routing.fleet import Fleet, ReplicaView
+from kvgate.fleet.snapshot import Fleet, ReplicaView
+from kvgate.routing.plugin import Deps, Plugin
+from kvgate.routing.plugins import ALWAYS, PLUGINS, PluginTable
+from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
-from kvgate.routing.scorers import SCORERS, Deps, Scorer
 
 Filter = Callable[[Route, ReplicaView], bool]
 
@@ -42,50 +49,83 @@ def not_failed_before(route: Route, view: ReplicaView) -> bool:
     return view.id not in route.exclude
 
 
+# what makes a replica eligible at all, before any plugin's filter
 FILTERS: tuple[Filter, ...] = (routable, serves_model, fits_context, not_failed_before)
+
+PLANS_KEPT = 8  # config versions whose plan is remembered (requests in flight over reloads)
 
 
 @dataclass(frozen=True, slots=True)
-class Ranking:
-    replicas: list[ReplicaView]  # best first
-    # The replica the session is bound to, when it is still the session's choice: admission
-    # waits up to sessions.affinity_wait_s for room there before trying the others.
-    sticky: ReplicaView | None = None
-    hold_s: float = 0.0
-    # scorer name -> the one replica it scored 1 (the session's, the prefix's), for metrics
-    favourites: Mapping[str, str] = field(default_factory=dict)
-    fleet: Fleet | None = None  # the snapshot it was ranked against
+class Step:
+    """One plugin as one config version uses it."""
 
-    def usable(self, waited_s: float) -> list[ReplicaView]:
-        """The replicas a request that has waited `waited_s` may be placed on now: only its
-        session's replica during the hold, then all of them in order; never one that is busy
-        (vLLM's queue limits refused it lately; a busy session replica ends the hold at once)."""
-        if self.sticky is not None and waited_s < self.hold_s and not self.sticky.busy:
-            return [self.sticky]
-        if not any(view.busy for view in self.replicas):
-            return self.replicas
-        return [view for view in self.replicas if not view.busy]
+    name: str
+    plugin: Plugin[Any]
+    params: Any
+    weight: float
 
 
-def check_scorers(names: Mapping[str, float]) -> None:
-    """Raises ConfigError naming every scorer the routing config asks for that does not exist:
-    a config is refused for it at start and on reload, never found out by a request."""
-    unknown = sorted(set(names) - set(SCORERS))
-    if unknown:
-        raise ConfigError([
-            f"routing.scorers.{name}: unknown scorer (known: {', '.join(sorted(SCORERS))})"
-            for name in unknown
-        ])
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The hooks one config version runs, each in config order."""
+
+    filters: tuple[Step, ...]
+    scorers: tuple[Step, ...]  # weighted above 0
+    pickers: tuple[Step, ...]
+    served: tuple[Step, ...]
+
+
+def configured(config: RoutingConfig) -> list[str]:
+    """The plugins `config` names: its scorers, then those with parameters only."""
+    return [*config.scorers, *(name for name in config.plugins if name not in config.scorers)]
+
+
+def check_routing(config: RoutingConfig, plugins: PluginTable = PLUGINS) -> None:
+    """Raises ConfigError naming, by key path, every plugin the routing config asks for that
+    does not exist, every scorer weight given to a plugin that does not score, and every
+    parameter its plugin refuses: a config is refused for it at start and on reload, never
+    found out by a request."""
+    scoring = sorted(name for name, cls in plugins.items() if cls.defines("score"))
+    problems = []
+    for name in config.scorers:
+        if name not in plugins:
+            problems.append(f"routing.scorers.{name}: unknown scorer (known: {', '.join(scoring)})")
+        elif not plugins[name].defines("score"):
+            problems.append(f"routing.scorers.{name}: this plugin does not score")
+    for name, given in config.plugins.items():
+        if name not in plugins:
+            problems.append(
+                f"routing.plugins.{name}: unknown plugin (known: {', '.join(sorted(plugins))})"
+            )
+            continue
+        try:
+            plugins[name].settings(config, given)
+        except ValidationError as exc:
+            problems.extend(
+                f"routing.plugins.{'.'.join(map(str, (name, *e['loc'])))}: {e['msg']}"
+                for e in exc.errors()
+            )
+        except ValueError as exc:  # a plugin's own refusal: "key: why"
+            problems.append(f"routing.plugins.{name}.{exc}")
+    if problems:
+        raise ConfigError(problems)
 
 
 class Router:
-    """Ranks with the scorers the request's own routing config names (`rank`'s `config`), so a
-    reload never changes a ranking under a request in flight. Each scorer is built the first
-    time a config names it and kept across reloads, with its state (round robin's turn)."""
+    """Ranks with the plugins the request's own routing config names (`rank`'s `config`), so a
+    reload never changes a ranking under a request in flight. Each plugin is built the first
+    time a config names it and kept across reloads, with its state (round robin's turn); its
+    parameters are read once per config version."""
 
-    def __init__(self, deps: Deps) -> None:
+    def __init__(self, deps: Deps, plugins: PluginTable = PLUGINS) -> None:
         self.deps = deps
-        self._scorers: dict[str, Scorer] = {}
+        self.plugins = plugins
+        self._built: dict[str, Plugin[Any]] = {}
+        self._plans: dict[int, tuple[RoutingConfig, Plan]] = {}
+
+    def check(self, config: RoutingConfig) -> None:
+        """`check_routing` against this router's plugins."""
+        check_routing(config, self.plugins)
 
     @staticmethod
     def pool(model: str, chain: Sequence[str], fleet: Fleet) -> str:
@@ -96,33 +136,68 @@ class Router:
         raise NoReplica(f"no healthy replica in pool {chain[0]!r} serves model {model!r}")
 
     async def rank(self, route: Route, fleet: Fleet, config: RoutingConfig) -> Ranking:
+        plan = self.plan(config)
         candidates = [
-            v for v in fleet.in_pool(route.demand.pool) if all(f(route, v) for f in FILTERS)
+            v for v in fleet.in_pool(route.demand.pool)
+            if all(f(route, v) for f in FILTERS)
+            and all(s.plugin.keeps(route, v, s.params) for s in plan.filters)
         ]
         if not candidates:
             return Ranking([], fleet=fleet)
         totals = [0.0] * len(candidates)
-        sticky = None
         favourites = {}
-        for name, weight in config.scorers.items():
-            if not weight:
-                continue
-            scorer = self._scorers.get(name)
-            if scorer is None:  # names were checked with the config (check_scorers)
-                scorer = self._scorers[name] = SCORERS[name](self.deps)
-            scores = await scorer.score(route, candidates, fleet, config)
+        for step in plan.scorers:
+            scores = await step.plugin.score(route, candidates, fleet, step.params)
             for i, value in enumerate(scores):
-                totals[i] += weight * min(1.0, max(0.0, value))
+                totals[i] += step.weight * min(1.0, max(0.0, value))
             top = [v for v, s in zip(candidates, scores, strict=True) if s >= 1]
             if len(top) == 1:
-                favourites[name] = top[0].id
-        if route.session_key is not None and "session" in favourites:
-            # worth waiting a moment for only where the session's cache already is
-            bound = await self.deps.sessions.bound(route.session_key)
-            sticky = next((v for v in candidates if v.id == bound == favourites["session"]), None)
+                favourites[step.name] = top[0].id
         order = sorted(
             range(len(candidates)),
             key=lambda i: (-totals[i], candidates[i].load, candidates[i].id),
         )
-        hold = config.sessions.affinity_wait_s if sticky is not None else 0.0
-        return Ranking([candidates[i] for i in order], sticky, hold, favourites, fleet)
+        ranking = Ranking([candidates[i] for i in order], favourites=favourites, fleet=fleet)
+        for step in plan.pickers:
+            hold = await step.plugin.pick(route, ranking, favourites.get(step.name), step.params)
+            if hold is not None:
+                return replace(ranking, hold=hold)
+        return ranking
+
+    async def served(
+        self, route: Route, ranking: Ranking, replica_id: str, config: RoutingConfig,
+        status: int,
+    ) -> None:
+        """The request ranked by `ranking` (its last) ran on `replica_id`, which answered
+        `status` (0: no answer reached kvgate): every plugin of `config` hears of it."""
+        for step in self.plan(config).served:
+            await step.plugin.served(
+                route, ranking, ranking.favourites.get(step.name), replica_id, status,
+                step.params,
+            )
+
+    def plan(self, config: RoutingConfig) -> Plan:
+        """The hooks `config` runs (names and parameters were checked with the config,
+        `check_routing`)."""
+        kept = self._plans.get(id(config))
+        if kept is not None and kept[0] is config:
+            return kept[1]
+        steps = [self._step(name, self.plugins, config) for name in configured(config)]
+        always = [self._step(name, ALWAYS, config) for name in ALWAYS]
+        plan = Plan(
+            filters=tuple(s for s in [*steps, *always] if s.plugin.defines("keeps")),
+            scorers=tuple(s for s in steps if s.weight and s.plugin.defines("score")),
+            pickers=tuple(s for s in steps if s.plugin.defines("pick")),
+            served=tuple(s for s in steps if s.plugin.defines("served")),
+        )
+        if len(self._plans) >= PLANS_KEPT:
+            self._plans.clear()  # bounded; each config's plan is built again on its next use
+        self._plans[id(config)] = (config, plan)
+        return plan
+
+    def _step(self, name: str, table: PluginTable, config: RoutingConfig) -> Step:
+        plugin = self._built.get(name)
+        if plugin is None:
+            plugin = self._built[name] = table[name](self.deps)
+        params = type(plugin).settings(config, config.plugins.get(name, {}))
+        return Step(name, plugin, params, config.scorers.get(name, 0.0))

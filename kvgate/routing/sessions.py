@@ -20,10 +20,11 @@ from typing import Any
 import orjson
 
 from kvgate.config import SessionsConfig
+from kvgate.digest import digest
 from kvgate.errors import KvgateError
+from kvgate.fleet.snapshot import Fleet
 from kvgate.metrics import Metrics
-from kvgate.requests import ParsedRequest
-from kvgate.routing.fleet import Fleet
+from kvgate.request.parsed import ParsedRequest
 from kvgate.state.base import StateStore, StateStoreError
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def conversation_digest(parsed: ParsedRequest, messages: int) -> str | None:
         return None
     canonical: list[Any] = [[m.get("role"), m.get("content")] for m in head if isinstance(m, dict)]
     raw = orjson.dumps([parsed.model, canonical], option=orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+    return digest(raw, size=12).hex()
 
 
 class Sessions:
@@ -97,11 +98,11 @@ class Sessions:
         return replica
 
     async def ran_on(
-        self, session: str, replica_id: str, fleet: Fleet | None, config: SessionsConfig
+        self, session: str, replica_id: str, fleet: Fleet | None, ttl_s: float
     ) -> None:
         """The request of `session` was served by `replica_id`: bind (or rebind) the session
-        there and count what happened. A binding this instance refreshed within the last
-        quarter of its TTL is not written again."""
+        there for `ttl_s`, and count what happened. A binding this instance refreshed within
+        the last quarter of its TTL is not written again."""
         before = await self.bound(session)
         result, reason = "hit", "bound"
         now = time.monotonic()
@@ -109,10 +110,9 @@ class Sessions:
             result, reason = "new", "unbound"
         elif before != replica_id:
             result, reason = "rebound", why_not(before, fleet)
-        elif now - self._refreshed.get(session, -math.inf) < config.ttl_s / 4:
+        elif now - self._refreshed.get(session, -math.inf) < ttl_s / 4:
             self.metrics.session_routes.labels(result, reason).inc()
             return
-        ttl_s = config.ttl_s
         try:
             now_bound = await self.store.bind(
                 self.store_key(session), replica_id, ttl_s, replace=before
@@ -127,6 +127,10 @@ class Sessions:
                 self._refreshed.clear()  # bounded; the next request of each just binds again
             self._refreshed[session] = now
         self.metrics.session_routes.labels(result, reason).inc()
+
+    def forget_reads(self) -> None:
+        """Forget the bindings read lately: the next lookups read the store."""
+        self._cache.clear()
 
     def _remember(self, session: str, replica: str | None, at: float) -> None:
         if len(self._cache) >= CACHE_MAX:

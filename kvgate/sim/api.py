@@ -1,6 +1,7 @@
 """The HTTP surface of a simulated replica: vLLM's OpenAI-compatible API plus `/sim/*`.
 
-A generation request is read top to bottom: parse the body and its options (`options.py`),
+A generation request is read top to bottom: parse the body and its options (`options.py`, which
+also reads the benchmark-only `X-Sim-Output-Tokens` header: where the answer ends),
 check vLLM's queue limits (`admission.py`: 503 when full), encode the prompts (`text.py`),
 fan out one engine request per prompt and sequence (`choices.py`), then answer as a stream
 (`streaming.py`) or whole.
@@ -30,7 +31,13 @@ from kvgate.sim.admission import AdmissionRejected
 from kvgate.sim.choices import Child, EngineAborted, fan_out, full_body, wait_all
 from kvgate.sim.extras import RichChunks
 from kvgate.sim.logprobs import LogprobTable
-from kvgate.sim.options import OptionError, OutputOptions, chat_options, completion_options
+from kvgate.sim.options import (
+    OptionError,
+    OutputOptions,
+    chat_options,
+    completion_options,
+    output_tokens,
+)
 from kvgate.sim.request import ContextLengthError
 from kvgate.sim.responses import ChoiceChunks, ChunkWriter, Completion, error_body
 from kvgate.sim.runtime import EngineRuntime
@@ -238,9 +245,13 @@ class OpenAIApi:
         ignore_eos = bool(body.get("ignore_eos", False))
         priority = body.get("priority") or 0  # checked by _check_common
         try:
+            output_len = output_tokens(request.headers)  # the benchmark-only header
+        except OptionError as exc:
+            raise ApiError(400, str(exc), exc.param) from exc
+        try:
             with fan_out(
                 self.runtime, base_id, prompts, options.best_of, max_tokens,
-                ignore_eos=ignore_eos, priority=priority,
+                ignore_eos=ignore_eos, output_len=output_len, priority=priority,
             ) as children:
                 if body.get("stream"):
                     stream_options = body.get("stream_options") or {}

@@ -53,10 +53,12 @@ def fan_out(
     max_tokens: int | None,
     *,
     ignore_eos: bool = False,
+    output_len: int | None = None,
     priority: int = 0,
 ) -> Iterator[list[Child]]:
     """Submit every child; on exit abort those unfinished, however the handler ends
     (disconnect, dropped connection, error), so no child keeps blocks in the engine.
+    `output_len`: every child's answer length (None: each drawn by the engine).
 
     Every prompt's context length is checked first (raises ContextLengthError): one prompt
     too long submits nothing. Then vLLM's queue limits are checked again before each prompt's
@@ -72,8 +74,9 @@ def fan_out(
             for j in range(sequences):
                 engine_id = runtime.unique_id(child_id(base_id, i, len(prompts), j, sequences))
                 generation = runtime.submit(
-                    engine_id, prompt, max_tokens, ignore_eos=ignore_eos, priority=priority
-                )
+                    engine_id, prompt, max_tokens,
+                    ignore_eos=ignore_eos, output_len=output_len, priority=priority,
+                )  # fmt: skip
                 children.append(Child(i, j, generation))
         yield children
     finally:

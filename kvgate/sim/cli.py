@@ -20,7 +20,7 @@ from kvgate.sim.text import TEMPLATE_HELP
 # flag dest -> SimConfig field; flags left unset keep SimConfig's defaults.
 CONFIG_FLAGS: dict[str, tuple[type, str]] = {
     "num_gpu_blocks": (int, "KV blocks (vLLM's --num-gpu-blocks-override)"),
-    "model_preset": (str, "compute blocks from a model preset (kvgate.capacity.PRESETS)"),
+    "model_preset": (str, "compute blocks from a model preset (kvgate.tools.capacity.PRESETS)"),
     "gpu_mem_gib": (float, "GPU memory in GiB, with --model-preset"),
     "gpu_memory_utilization": (float, "fraction of GPU memory vLLM may use (0.9)"),
     "weights_gib": (float, "model weights in GiB (default: the preset's)"),

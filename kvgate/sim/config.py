@@ -1,7 +1,7 @@
 """Every knob of one simulated vLLM replica, validated once.
 
 Capacity is either given (`num_gpu_blocks`) or computed from a model preset and a GPU
-(`model_preset` + `gpu_mem_gib`), with vLLM's formula in `kvgate.capacity`; a preset, when
+(`model_preset` + `gpu_mem_gib`), with vLLM's formula in `kvgate.tools.capacity`; a preset, when
 set, overrides `num_gpu_blocks`.
 
 Timing defaults are in the range of a 7B model on one H100 (bf16): about 6 ms of fixed cost
@@ -69,7 +69,7 @@ class SimConfig:
         self._validate()
 
     def _preset_blocks(self) -> int:
-        from kvgate import capacity
+        from kvgate.tools import capacity
 
         assert self.model_preset is not None
         presets = capacity.PRESETS

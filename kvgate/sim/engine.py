@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvgate.sim.blocks import Block, BlockPool
 from kvgate.sim.config import SimConfig
+from kvgate.sim.reports import EngineStats, StepResult, TokenOutput
 from kvgate.sim.request import (
     FinishReason,
     SimRequest,
@@ -39,50 +39,6 @@ from kvgate.sim.request import (
 )
 from kvgate.sim.text import FILLER_TOKEN_IDS
 from kvgate.sim.waiting import WaitingQueue
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Monotonic counters since the engine started (a restart starts from zero)."""
-
-    steps: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenOutput:
-    """One sampled token. `index` is its position in the output (0 = the first token)."""
-
-    request: SimRequest
-    index: int
-    finish_reason: FinishReason | None
-    inter_token_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    start_time: float
-    cost_s: float
-    scheduled: dict[str, int]
-    num_prefill_tokens: int
-    num_decode_seqs: int
-    outputs: list[TokenOutput]
-    preempted: list[str]
-    finished: list[SimRequest]
-
-    @property
-    def end_time(self) -> float:
-        return self.start_time + self.cost_s
-
-    @property
-    def idle(self) -> bool:
-        return not self.scheduled
 
 
 class Engine:

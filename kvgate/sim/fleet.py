@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
+from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
-from kvgate.tokens import load_tiktoken
 
 
 @dataclass(frozen=True)

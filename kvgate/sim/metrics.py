@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 
 from kvgate.sim.admission import REASONS as ADMISSION_REASONS
 from kvgate.sim.config import SimConfig
-from kvgate.sim.engine import Engine, StepResult, TokenOutput
+from kvgate.sim.engine import Engine
+from kvgate.sim.reports import StepResult, TokenOutput
 from kvgate.sim.request import FinishReason, SimRequest
 
 LABELS = ("model_name", "engine")

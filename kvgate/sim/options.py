@@ -7,6 +7,14 @@
 
 Pure: a request body in, an `OutputOptions` out, or an `OptionError` whose message and param
 the server returns as a 400 in vLLM's error shape.
+
+One extension no vLLM has, for replaying production traces in benchmarks: the request header
+`X-Sim-Output-Tokens: N` makes the simulated model end its answer after N tokens (its
+end-of-sequence), instead of a length drawn from the replica's `output_len_*` distribution.
+`max_tokens` still caps it (finish_reason "length") and `ignore_eos` still forces max_tokens;
+every sequence of the request (`n`, a prompt list) gets the same N. It is a header, not a
+body field, so a gateway in front reads nothing from it that forces a length (as `ignore_eos`
+or `min_tokens` would) and passes it on as any other header: kvgate and vllm-router both do.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ MAX_SEQUENCES = 128
 # vLLM's default --max-logprobs; the OpenAI API allows 5 for completions, vLLM up to this.
 MAX_LOGPROBS = 20
 JSON_FORMATS = ("json_object", "json_schema")
+OUTPUT_TOKENS_HEADER = "X-Sim-Output-Tokens"
 
 
 class OptionError(ValueError):
@@ -80,6 +89,16 @@ def completion_options(body: Mapping[str, Any]) -> OutputOptions:
         logprobs=_logprob_count(body, "logprobs"),
         json_content=_json_content(body.get("response_format")),
     )
+
+
+def output_tokens(headers: Mapping[str, str]) -> int | None:
+    """The answer length the benchmark-only header asks for (None: no header)."""
+    value = headers.get(OUTPUT_TOKENS_HEADER)
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise OptionError(f"{OUTPUT_TOKENS_HEADER} must be a positive integer, got {value!r}.")
+    return int(value)
 
 
 def _count(body: Mapping[str, Any], key: str, default: int = 1) -> int:

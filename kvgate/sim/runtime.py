@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 
 from kvgate.sim.admission import AdmissionRejected, rejection
 from kvgate.sim.config import SimConfig
-from kvgate.sim.engine import Engine, StepResult
+from kvgate.sim.engine import Engine
 from kvgate.sim.metrics import SimMetrics
+from kvgate.sim.reports import StepResult
 from kvgate.sim.request import FinishReason, SimRequest
 
 
@@ -173,12 +174,14 @@ class EngineRuntime:
         max_tokens: int | None,
         *,
         ignore_eos: bool = False,
+        output_len: int | None = None,
         priority: int = 0,
     ) -> Generation:
-        """Queue a request (raises ContextLengthError) and wake the step loop."""
+        """Queue a request (raises ContextLengthError) and wake the step loop; `output_len`
+        as `Engine.add_request` takes it."""
         request = self.engine.add_request(
             request_id, prompt_token_ids, max_tokens, self.clock.now(),
-            ignore_eos=ignore_eos, priority=priority,
+            ignore_eos=ignore_eos, output_len=output_len, priority=priority,
         )
         generation = Generation(request)
         self._generations[request_id] = generation

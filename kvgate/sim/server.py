@@ -22,13 +22,13 @@ from typing import Any
 
 from aiohttp import web
 
+from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.api import build_app
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
 from kvgate.sim.faults import Faults
 from kvgate.sim.runtime import EngineRuntime
-from kvgate.sim.text import PromptEncoder
-from kvgate.tokens import Tokenizer, load_tiktoken
+from kvgate.sim.text import PromptEncoder, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ STOP_GRACE_S = 0.05
 
 
 class SimReplica:
-    def __init__(self, config: SimConfig, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: SimConfig, *, tokenizer: TextTokenizer | None = None) -> None:
         self.config = config
         self._tokenizer = tokenizer
         self._encoder: PromptEncoder | None = None

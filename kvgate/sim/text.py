@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-from kvgate.tokens import Tokenizer, message_text
+from kvgate.request.tokens import Tokenizer, message_text
 
 IM_START = 100264  # <|im_start|> in cl100k_im
 IM_END = 100265  # <|im_end|> in cl100k_im
@@ -97,19 +97,22 @@ class _Lru:
         return found
 
 
+class TextTokenizer(Tokenizer, Protocol):
+    """A tokenizer that also turns ids back into text (the simulator writes answers)."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
 class PromptEncoder:
     """Encodes chat messages and plain prompts with one tokenizer and per-text LRU caches."""
 
-    def __init__(self, tokenizer: Tokenizer, cache_size: int = 4096) -> None:
+    def __init__(self, tokenizer: TextTokenizer, cache_size: int = 4096) -> None:
         self.tokenizer = tokenizer
         self._texts = _Lru(cache_size)
         self._messages = _Lru(cache_size)
         self._newline = tuple(tokenizer.encode("\n"))
         self._generation_prompt = (IM_START, *tokenizer.encode("assistant\n"))
-        decode = getattr(tokenizer, "decode", None)
-        if decode is None:  # kvgate.tokens.TiktokenTokenizer only exposes encode
-            decode = tokenizer._encoding.decode  # type: ignore[attr-defined]
-        self._decode = decode
+        self._decode = tokenizer.decode
 
     def encode_chat(
         self, messages: Any, add_generation_prompt: bool = True, tools: Any = None

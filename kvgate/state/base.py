@@ -14,8 +14,8 @@ Three primitives cover the gateway's shared state:
 * **Bindings** (`bind` / `lookup` / `unbind`): a value per key with a TTL; `bind` is
   set-if-absent or compare-and-set. Session → replica bindings live here.
 * **Composite steps** (`charge` / `settle`): a lease and several buckets in one step, for a
-  tenant's admission and its end (issue 14: one store call where there were three, and no
-  partial holds to give back). `charge` takes a lease and an amount from each bucket, all or
+  tenant's admission and its end (one store call where there would be three, and no partial
+  holds to give back). `charge` takes a lease and an amount from each bucket, all or
   nothing; `settle` releases a lease and corrects buckets (a refund put back, an overdraw taken
   by force). They mean exactly what the single calls would mean, done at one instant.
 

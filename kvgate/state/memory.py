@@ -45,8 +45,8 @@ class _Lease:
 
 class _Pool:
     """One pool's leases with their running total and an expiry heap, so acquiring, releasing
-    and expiring cost O(log n) in the leases held, not a scan of them all (issue 14: at 32 in
-    flight the scans were 36 generator steps a request, and they grow with concurrency)."""
+    and expiring cost O(log n) in the leases held, not a scan of them all (a scan grows with
+    concurrency)."""
 
     __slots__ = ("expiries", "held", "leases")
 
@@ -153,6 +153,16 @@ class MemoryStore:
         self._bindings: dict[str, tuple[str, float]] = {}
         self._sweep_buckets_at = _MIN_SWEEP_SIZE
         self._sweep_bindings_at = _MIN_SWEEP_SIZE
+
+    @property
+    def kept_bindings(self) -> int:
+        """Session bindings in memory, expired ones not swept yet included."""
+        return len(self._bindings)
+
+    @property
+    def kept_buckets(self) -> int:
+        """Token buckets in memory, full ones not swept yet included."""
+        return len(self._buckets)
 
     # --- leases -------------------------------------------------------------------------------
 

@@ -13,16 +13,13 @@ its own): `{prefix:ledger:r1}:leases`, `{prefix:tenant:team}/concurrency:leases`
 a release) addresses the very keys the composite step uses.
 
 The lease and bucket logic lives once, as Lua functions in lua/lib/; each script is those
-files followed by its own body (`_Script`), so every script that holds a lease or takes from
+files followed by its own body (`kvgate.state.pipeline.Script`), so every script that holds a lease or takes from
 a bucket runs the same code.
 
-Calls are pipelined: every call made in one turn of the event loop — by this request and by
-every other in flight — goes to Redis in one pipeline, one round trip, sent by a task of its
-own (so a caller's first step never enters a timeout; see kvgate/protect.py). Each call is
-still its own script, atomic on its own; a pipeline only saves round trips and syscalls
-(issue 14: at 32 clients, the per-call round trips were most of the Redis store's CPU), and
-the composite steps save the calls themselves. `round_trips` and `calls` count them for
-/metrics.
+Calls are pipelined (`kvgate.state.pipeline`): every call made in one turn of the event loop —
+by this request and by every other in flight — goes to Redis in one round trip (per-call round
+trips would be most of the store's CPU under concurrency), and the composite steps save the
+calls themselves. `round_trips` and `calls` count them for /metrics.
 
 Timeouts are short (connect, read and waiting for a pooled connection), with one immediate retry
 on a fresh connection when one breaks before any reply came, so a connection left stale by a
@@ -36,19 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from importlib import resources
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from kvgate.state.base import (
     BucketCorrection,
@@ -61,32 +55,10 @@ from kvgate.state.base import (
     StateStoreError,
 )
 from kvgate.state.memory import check_buckets, check_limit, remaining_units
+from kvgate.state.pipeline import Pipeline, Script, ScriptArg
 
-ScriptArg = str | int | float
 log = logging.getLogger(__name__)
 RESUBSCRIBE_S = 0.5
-
-
-class _Script:
-    """A Lua script from kvgate/state/lua, after the function files it `uses` from lua/lib/;
-    run by SHA (EVALSHA), loaded again on NOSCRIPT."""
-
-    def __init__(self, name: str, uses: Sequence[str] = ()) -> None:
-        self.name = name
-        lua = resources.files("kvgate.state").joinpath("lua")
-        parts = [lua.joinpath(f"lib/{lib}.lua").read_text() for lib in uses]
-        self.source = "".join([*parts, lua.joinpath(f"{name}.lua").read_text()])
-        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
-
-
-@dataclass(slots=True)
-class _Call:
-    """One command waiting for the next pipeline."""
-
-    command: tuple[ScriptArg, ...]
-    what: str  # for errors: "lease.lua", "GET", ...
-    future: asyncio.Future[object]
-    script: _Script | None = None  # loaded again if Redis answers NOSCRIPT
 
 
 class RedisStore:
@@ -113,15 +85,22 @@ class RedisStore:
             decode_responses=True,
         )
         self._redis = Redis(connection_pool=self._pool)
-        self._queue: list[_Call] = []
-        self._senders: set[asyncio.Task[None]] = set()
-        self.round_trips = 0  # pipelines sent
-        self.calls = 0  # commands in them
-        self._lease = _Script("lease", ("clock", "leases"))
-        self._bucket = _Script("bucket", ("clock", "buckets"))
-        self._charge = _Script("charge", ("clock", "leases", "buckets"))
-        self._settle = _Script("settle", ("clock", "leases", "buckets"))
-        self._bind = _Script("bind")
+        self._pipeline = Pipeline(self._pool, self._redis)
+        self._lease = Script("lease", ("clock", "leases"))
+        self._bucket = Script("bucket", ("clock", "buckets"))
+        self._charge = Script("charge", ("clock", "leases", "buckets"))
+        self._settle = Script("settle", ("clock", "leases", "buckets"))
+        self._bind = Script("bind")
+
+    @property
+    def round_trips(self) -> int:
+        """Pipelines sent."""
+        return self._pipeline.round_trips
+
+    @property
+    def calls(self) -> int:
+        """Commands sent in them."""
+        return self._pipeline.calls
 
     # --- keys (one hash tag per name group, or per binding) ----------------------------------
 
@@ -152,20 +131,20 @@ class RedisStore:
         self, pool: str, lease_id: str, amount: int, limit: int, ttl_s: float
     ) -> bool:
         args = ("acquire", lease_id, amount, limit, _ms(ttl_s))
-        return bool(await self._run(self._lease, self.lease_keys(pool), args))
+        return bool(await self._pipeline.run(self._lease, self.lease_keys(pool), args))
 
     async def release(self, pool: str, lease_id: str) -> int:
         args = ("release", lease_id, self.releases_channel, pool)
-        return _int(await self._run(self._lease, self.lease_keys(pool), args))
+        return _int(await self._pipeline.run(self._lease, self.lease_keys(pool), args))
 
     async def renew(self, pool: str, lease_ids: list[str], ttl_s: float) -> int:
         if not lease_ids:
             return 0
         args = ("renew", _ms(ttl_s), *lease_ids)
-        return _int(await self._run(self._lease, self.lease_keys(pool), args))
+        return _int(await self._pipeline.run(self._lease, self.lease_keys(pool), args))
 
     async def held(self, pool: str) -> int:
-        return _int(await self._run(self._lease, self.lease_keys(pool), ("held",)))
+        return _int(await self._pipeline.run(self._lease, self.lease_keys(pool), ("held",)))
 
     # --- token buckets ------------------------------------------------------------------------
 
@@ -186,7 +165,7 @@ class RedisStore:
     ) -> BucketState:
         check_limit(limit)
         args = (op, amount, limit.capacity, repr(float(limit.period_s)))
-        reply = await self._run(self._bucket, (self.bucket_key(bucket),), args)
+        reply = await self._pipeline.run(self._bucket, (self.bucket_key(bucket),), args)
         return _parse(reply, 0, 1, "bucket.lua")[1][0]
 
     # --- composite steps ----------------------------------------------------------------------
@@ -201,7 +180,7 @@ class RedisStore:
         for take in takes:
             keys.append(self.bucket_key(take.bucket))
             args += (take.amount, take.limit.capacity, repr(float(take.limit.period_s)))
-        reply = await self._run(self._charge, keys, args)
+        reply = await self._pipeline.run(self._charge, keys, args)
         (fits,), states = _parse(reply, 1, len(takes), "charge.lua")
         return Charged(lease_fits=bool(fits), buckets=states)
 
@@ -218,7 +197,7 @@ class RedisStore:
             keys.append(self.bucket_key(correction.bucket))
             limit = correction.limit
             args += (correction.delta, limit.capacity, repr(float(limit.period_s)))
-        reply = await self._run(self._settle, keys, args)
+        reply = await self._pipeline.run(self._settle, keys, args)
         (released,), states = _parse(reply, 1, len(corrections), "settle.lua")
         return Settled(released=_int(released), buckets=states)
 
@@ -226,14 +205,14 @@ class RedisStore:
 
     async def bind(self, key: str, value: str, ttl_s: float, *, replace: str | None = None) -> str:
         args = (value, max(1, round(ttl_s * 1000)), "0" if replace is None else "1", replace or "")
-        return str(await self._run(self._bind, (self.binding_key(key),), args))
+        return str(await self._pipeline.run(self._bind, (self.binding_key(key),), args))
 
     async def lookup(self, key: str) -> str | None:
-        value = await self._call(("GET", self.binding_key(key)), "GET")
+        value = await self._pipeline.call(("GET", self.binding_key(key)), "GET")
         return None if value is None else str(value)
 
     async def unbind(self, key: str) -> None:
-        await self._call(("DEL", self.binding_key(key)), "DEL")
+        await self._pipeline.call(("DEL", self.binding_key(key)), "DEL")
 
     # --- release notices ----------------------------------------------------------------------
 
@@ -264,104 +243,9 @@ class RedisStore:
         return time.perf_counter() - started
 
     async def close(self) -> None:
-        if self._senders:
-            await asyncio.gather(*self._senders, return_exceptions=True)
+        await self._pipeline.close()
         await self._redis.aclose()
         await self._pool.aclose()
-
-    # --- the pipeline ---------------------------------------------------------------------
-
-    async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[ScriptArg]) -> object:
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
-        return await self._call(command, f"{script.name}.lua", script)
-
-    async def _call(
-        self, command: tuple[ScriptArg, ...], what: str, script: _Script | None = None
-    ) -> object:
-        """Queue the command for this turn's pipeline and wait for its reply."""
-        loop = asyncio.get_running_loop()
-        call = _Call(command, what, loop.create_future(), script)
-        self._queue.append(call)
-        if len(self._queue) == 1:
-            loop.call_soon(self._flush)
-        return await call.future
-
-    def _flush(self) -> None:
-        calls, self._queue = self._queue, []
-        task = asyncio.get_running_loop().create_task(self._send(calls))
-        self._senders.add(task)  # a reference until it ends
-        task.add_done_callback(self._senders.discard)
-
-    async def _send(self, calls: list[_Call]) -> None:
-        """One pipeline for `calls`; a script Redis does not know (NOSCRIPT: it restarted or
-        was flushed) is loaded and its calls sent again — they did not run."""
-        try:
-            replies = await self._pipeline(calls)
-            missing = {c.script for c, r in zip(calls, replies, strict=True)
-                       if isinstance(r, NoScriptError) and c.script is not None}  # fmt: skip
-            if missing:
-                for script in missing:
-                    await self._redis.script_load(script.source)
-                again = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-                for i, reply in zip(again, await self._pipeline([calls[i] for i in again]),
-                                    strict=True):  # fmt: skip
-                    replies[i] = reply
-        except (RedisError, OSError) as exc:
-            for call in calls:
-                _settle(call, StateStoreError(f"redis {call.what}: {type(exc).__name__}: {exc}"))
-            return
-        except BaseException as exc:  # cancelled (closing): nobody may wait forever
-            for call in calls:
-                _settle(call, StateStoreError(f"redis {call.what}: {type(exc).__name__}"))
-            raise
-        for call, reply in zip(calls, replies, strict=True):
-            if isinstance(reply, Exception):
-                reply = StateStoreError(f"redis {call.what}: {type(reply).__name__}: {reply}")
-            _settle(call, reply)
-
-    async def _pipeline(self, calls: list[_Call]) -> list[object]:
-        """One round trip: the commands written at once on a pooled connection, then their
-        replies read in order, an error reply in its call's place. (redis-py's Pipeline does
-        the same with ~50 µs more CPU per round trip: issue 14.) A connection that breaks
-        before any reply came is tried once more on a fresh one: the stale connection a Redis
-        restart leaves, which the restarted server never ran anything on. Once a reply came,
-        nothing is sent again: the other replies lost to a broken connection (or a timeout)
-        may belong to scripts that ran, and a second `charge` or `settle` would count twice.
-        (The one case left: a Redis that dies after running the scripts and before answering
-        any — whose state, without persistence, died with it.)"""
-        self.round_trips += 1
-        self.calls += len(calls)
-        for attempt in (1, 2):
-            connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
-            replies: list[object] = []
-            try:
-                await connection.send_packed_command(
-                    connection.pack_commands([call.command for call in calls]),
-                    check_health=False,
-                )
-                for _ in calls:
-                    try:
-                        replies.append(await connection.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-                return replies
-            except BaseException as exc:
-                await connection.disconnect()  # half read: of no use to the next caller
-                if replies or attempt == 2 or not isinstance(exc, RedisConnectionError):
-                    raise
-            finally:
-                await self._pool.release(connection)
-        raise AssertionError("unreachable")
-
-
-def _settle(call: _Call, reply: object) -> None:
-    if call.future.done():  # its caller was cancelled: nobody reads it
-        return
-    if isinstance(reply, BaseException):
-        call.future.set_exception(reply)
-    else:
-        call.future.set_result(reply)
-
 
 @asynccontextmanager
 async def _translated(what: str) -> AsyncIterator[None]:

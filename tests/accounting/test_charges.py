@@ -2,8 +2,10 @@
 
 Measured against the simulator's own counters of prompt and generated tokens: a completed
 request, a stream the client leaves midway, and a non-streamed request the client gives up on
-(kvgate cannot get its usage, so it charges the time the replica had at its observed pace —
-before this, the whole charge was refunded and timing out beat the budget).
+(kvgate cannot get its usage, so it charges what the replica's decode clock — its generation
+counter per running sequence, read from its /metrics after the answer ended — advanced while
+the request was there; before this, the whole charge was refunded and timing out beat the
+budget).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.plugins.bodies import SIM_MODEL, chat
 from tests.plugins.gateway import gateway_config, wait_settled
 from tests.tenants.support import metrics, sample
 
@@ -24,14 +27,19 @@ PROMPT = [
 
 
 def body(max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
-    return {"model": "sim-model", "messages": PROMPT, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream}
+    return chat(model=SIM_MODEL, messages=PROMPT, max_tokens=max_tokens, ignore_eos=True,
+                stream=stream)
 
 
 async def charged_tokens(session: aiohttp.ClientSession, url: str) -> float:
     samples = await metrics(session, url)
     return sum(sample(samples, "kvgate_tenant_tokens_total", tenant="team", kind=kind) or 0.0
                for kind in ("prompt", "completion"))
+
+
+async def completion_tokens(session: aiohttp.ClientSession, url: str) -> float:
+    samples = await metrics(session, url)
+    return sample(samples, "kvgate_tenant_tokens_total", tenant="team", kind="completion") or 0.0
 
 
 class Books:
@@ -96,13 +104,40 @@ async def test_every_ending_is_charged_what_the_replica_processed(books):
         charged, processed = await books.around(ending(books))
         assert processed > 0
         print(f"{ending.__name__}: charged {charged:.0f}, processed {processed}")
-        # An abandoned whole answer is charged the time the replica had at its observed pace:
-        # a real-time simulator on a loaded 2-core machine drifts from that pace by a few
-        # percent (6% seen once at load 2.5), where a refund or the worst case would be 90%+.
-        tolerance = 0.10 if ending is abandoned else 0.05
+        # An abandoned whole answer is charged the replica's own count of what it generated
+        # (its decode clock, read after the answer ended): exact for a lone request. A stream
+        # is charged the chunks relayed: the replica may compute a token or two more before
+        # it sees the client go.
+        tolerance = 0.01 if ending is abandoned else 0.05
         assert abs(charged - processed) <= tolerance * processed, (
             f"{ending.__name__}: charged {charged:.0f} tokens, the replica processed {processed}"
         )
+
+
+@pytest.mark.parametrize("after_s", [0.3, 0.5, 1.0])
+async def test_a_whole_answer_its_client_gave_up_on_is_charged_what_the_replica_generated(
+    books, after_s
+):
+    """Within 1% of the tokens the simulator generated for that request, whenever the client
+    leaves: a real-time simulator's pace drifts with the machine's load, so the charge must
+    follow what the replica did for this request, not a pace seen earlier."""
+    await books.around(completed(books))
+    url = f"{books.gw.url}/v1/chat/completions"
+
+    async def abandoned_after() -> None:
+        with pytest.raises(TimeoutError):
+            async with books.session.post(url, json=body(2000),
+                                          timeout=aiohttp.ClientTimeout(total=after_s)) as r:
+                await r.read()
+
+    charged = await completion_tokens(books.session, books.gw.url)
+    generated = books.sim.engine.stats.generation_tokens
+    await books.around(abandoned_after())
+    charged = await completion_tokens(books.session, books.gw.url) - charged
+    generated = books.sim.engine.stats.generation_tokens - generated
+    print(f"left after {after_s}s: charged {charged:.0f}, generated {generated}")
+    assert generated > 0
+    assert abs(charged - generated) <= 0.01 * generated, (charged, generated)
 
 
 async def test_a_whole_answer_kvgate_stopped_waiting_for_is_charged_what_the_replica_did(

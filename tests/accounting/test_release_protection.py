@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from kvgate.admission import Admission
+from kvgate.admission.demand import Demand, ledger_key
+from kvgate.admission.leases import LeaseKeeper
+from kvgate.admission.stage import Admission
 from kvgate.config import AdmissionConfig, QueueConfig, ReplicaConfig, TenantConfig
-from kvgate.demand import Demand, ledger_key
-from kvgate.leases import LeaseKeeper
+from kvgate.fleet.replicas import Replica
 from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
-from kvgate.replicas import Replica
 from kvgate.state.memory import MemoryStore
 from kvgate.tenants import Budgets, tenant_key
-from tests.test_admission import whole
+from tests.admission.test_admission import whole
+from tests.routing.fleets import in_order
 
 
 class SlowReleases(MemoryStore):
@@ -122,7 +123,7 @@ async def test_a_second_cancellation_during_the_ledger_release_still_frees_the_s
     r = replica()
 
     async def request() -> None:
-        async with gate.admit(shared_demand(), gate.in_order([r]), ADMISSION) as slot:
+        async with gate.admit(shared_demand(), in_order(gate, [r]), ADMISSION) as slot:
             assert slot.shared is not None and slot.shared.blocks == 9
             assert await store.held(ledger_key(r.id)) == 20
 
@@ -166,14 +167,14 @@ async def test_a_lease_held_past_its_requests_time_limit_is_logged_and_dropped(c
     gate = admission(store, keeper)
     r = replica()
     # A request whose context is entered and never left: the leak the keeper must catch.
-    forgotten = gate.admit(shared_demand(max_hold_s=60.0), gate.in_order([r]), ADMISSION)
+    forgotten = gate.admit(shared_demand(max_hold_s=60.0), in_order(gate, [r]), ADMISSION)
     await forgotten.__aenter__()
     assert await store.held(ledger_key(r.id)) == 20
 
     now[0] = 59.0
     assert await keeper.drop_stale() == 0
     now[0] = 61.0
-    with caplog.at_level(logging.ERROR, logger="kvgate.leases"):
+    with caplog.at_level(logging.ERROR, logger="kvgate.admission.leases"):
         assert await keeper.drop_stale() == 1
     assert "dropped as leaked" in caplog.text
     assert dropped == ["ledger"]

@@ -11,7 +11,8 @@ import aiohttp
 
 from tests.accounting.clients import hang_up_at_done
 from tests.plugins.gateway import gateway_config, wait_settled
-from tests.tenants.support import chat, eventually, metrics, post, sample
+from tests.plugins.waiting import eventually
+from tests.tenants.support import chat, metrics, post, sample
 
 HI_TOKENS = 9  # "hi" in one ChatML message: 1 text + 5 per message + 3 for the reply primer
 

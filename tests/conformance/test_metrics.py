@@ -36,7 +36,7 @@ from vllm.v1.metrics.buckets import build_1_2_5_buckets
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
-from kvgate.replicas import Scrape, parse_vllm_metrics
+from kvgate.fleet.scrape import Scrape, parse_vllm_metrics
 from kvgate.sim.metrics import one_two_five_buckets
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUERIERS = [
     *(p for p in sorted((ROOT / "deploy").rglob("*")) if p.is_file()),
     *sorted((ROOT / "bench" / "fleetbench").glob("*.py")),
-    ROOT / "kvgate" / "dashboard.py",
+    ROOT / "kvgate" / "tools" / "dashboard.py",
 ]
 
 # Names kvgate's scraper still accepts from older vLLM versions (vllm-reference.md §1), with

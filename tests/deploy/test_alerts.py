@@ -5,6 +5,7 @@ warning; 26% reported with no room for the next request raises the critical at o
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,6 +31,7 @@ def promtool() -> str:
     return path
 
 
+@pytest.mark.slow
 def test_promtool_accepts_the_rules():
     result = subprocess.run(
         [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
@@ -37,6 +39,7 @@ def test_promtool_accepts_the_rules():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_the_rules_pass_their_promtool_unit_tests():
     result = subprocess.run(
         [promtool(), "test", "rules", RULE_TESTS.name], cwd=RULES.parent,
@@ -65,6 +68,20 @@ def test_each_alert_is_tiered_and_the_seed_incidents_are_unit_tested():
     assert tested == {r["alert"] for r in rules}  # every alert is shown to fire somewhere
 
 
+def test_every_alert_has_a_runbook_in_the_operations_guide():
+    """docs/operations.md has a section per alert, named as the rule, that gives its severity
+    and says what to do; and no section for an alert that no longer exists."""
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    guide = (RULES.parents[2] / "docs" / "operations.md").read_text()
+    sections = dict(re.findall(r"^### (Kvgate\w+)\n(.*?)(?=^#)", guide + "\n#", re.M | re.S))
+    assert set(sections) == {r["alert"] for r in rules}
+    for rule in rules:
+        text = sections[rule["alert"]]
+        assert text.lstrip().startswith(f"*{rule['labels']['severity'].capitalize()}*")
+        assert "What to do:" in text, rule["alert"]
+
+
+@pytest.mark.slow
 def test_the_compose_prometheus_config_loads_the_rules():
     result = subprocess.run(
         [promtool(), "check", "config", "prometheus.yml"], cwd=RULES.parent,

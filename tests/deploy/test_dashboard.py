@@ -1,4 +1,4 @@
-"""The Grafana dashboard is the one kvgate/dashboard.py generates, and every expression on it
+"""The Grafana dashboard is the one kvgate/tools/dashboard.py generates, and every expression on it
 names only series and labels that kvgate or vLLM (the simulator) export."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from kvgate.dashboard import render
+from kvgate.tools.dashboard import render
 from tests.deploy.promql import exported, unknown
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvgate.json"
@@ -25,7 +25,7 @@ def expressions(board: dict) -> list[str]:
 
 
 def test_the_committed_dashboard_is_the_generated_one():
-    assert DASHBOARD.read_text() == render(), "run: python -m kvgate.dashboard > " + str(DASHBOARD)
+    assert DASHBOARD.read_text() == render(), "run: python -m kvgate.tools.dashboard > " + str(DASHBOARD)
 
 
 def test_every_expression_names_only_exported_series_and_labels():

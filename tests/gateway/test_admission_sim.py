@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 
+from tests.plugins.bodies import SIM_MODEL, chat
 from tests.plugins.gateway import gateway_config
 
 # 256 blocks × 16 = 4,096 tokens of KV. Each request: ~60 prompt tokens + 300 generated
@@ -21,16 +22,9 @@ N_REQUESTS = 24
 
 
 def body(i: int, stream: bool = False) -> dict:
-    return {
-        "model": "sim-model",
-        "messages": [
-            {"role": "system", "content": "You are a concise assistant for load tests."},
-            {"role": "user", "content": f"Request number {i}: tell me about KV caches."},
-        ],
-        "max_tokens": 300,
-        "ignore_eos": True,
-        "stream": stream,
-    }
+    return chat(f"Request number {i}: tell me about KV caches.", model=SIM_MODEL,
+                system_prompt="You are a concise assistant for load tests.", max_tokens=300,
+                ignore_eos=True, stream=stream)
 
 
 async def fire(url: str, n: int, stream: bool = False) -> list[tuple[int, float | None]]:

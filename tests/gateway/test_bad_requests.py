@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvgate.app import build_app
+from tests.plugins.bodies import chat
 from tests.plugins.gateway import (
     RunningGateway,
     StubUpstream,
@@ -72,10 +73,6 @@ def nothing_forwarded(target: Target) -> Iterator[None]:
     assert target.stub.received[before:] == [], "a refused request reached the replica"
 
 
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": "stub-model", "messages": USER_HI, "max_tokens": 5, **fields}
-
-
 # (id, path, body, status, code, param)
 REFUSALS: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("malformed-json", CHAT, b'{"model": "stub-model", ', 400, None, None),
@@ -114,10 +111,11 @@ REFUSALS: list[tuple[str, str, Any, int, str | None, str | None]] = [
     # The stub reports max_model_len 4096.
     ("prompt-plus-max-tokens-over-context", CHAT, chat(max_tokens=4095), 400,
      "context_length_exceeded", "max_tokens"),
-    # vLLM reads max_completion_tokens first: a small max_tokens beside it bounds nothing.
+    # vLLM reads max_completion_tokens first: a small max_tokens beside it bounds nothing,
+    # and the error names the field that was too large.
     ("max-completion-tokens-over-context-beside-small-max-tokens", CHAT,
      chat(max_tokens=5, max_completion_tokens=4095), 400, "context_length_exceeded",
-     "max_tokens"),
+     "max_completion_tokens"),
     ("completions-over-context", COMPLETIONS,
      {"model": "stub-model", "prompt": "hello there", "max_tokens": 4095}, 400,
      "context_length_exceeded", "max_tokens"),
@@ -290,7 +288,12 @@ async def test_hostile_body_gets_a_4xx_in_openai_shape_never_a_500(
     openai_error(raw)
 
 
-async def test_after_all_the_refusals_nothing_is_held(target: Target) -> None:
+async def test_after_every_refusal_nothing_is_held(target: Target) -> None:
+    """Every refused and every hostile body, sent by this test itself (so it holds in any
+    order, alone included), leaves no ledger, lease, shared prefix or charge behind."""
+    for _, path, body, *_ in [*REFUSALS, *HOSTILE]:
+        status, _, raw = await target.post(path, body)
+        assert 400 <= status < 500, (status, raw[:300])
     await wait_settled(target.gw)
 
 

@@ -8,6 +8,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.plugins.gateway import gateway_config
+from tests.plugins.waiting import eventually
 
 
 async def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -25,14 +26,6 @@ def value(samples, name: str, **labels: str) -> float | None:
         if sample == name and set(labels.items()) <= sample_labels:
             return v
     return None
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 async def test_capacity_is_read_from_vllm_metrics_and_config_overrides_it(sim_factory, gateway_factory):
@@ -53,7 +46,7 @@ async def test_capacity_is_read_from_vllm_metrics_and_config_overrides_it(sim_fa
         samples = await scrape(gw.url)
         return value(samples, "kvgate_replica_capacity_blocks", replica="seen") == 512
 
-    await until(exported)
+    await eventually(exported)
     samples = await scrape(gw.url)
     assert value(samples, "kvgate_replica_admissible_blocks", replica="seen") == int(512 * 0.9)
     assert value(samples, "kvgate_replica_capacity_blocks", replica="pinned") == 100
@@ -63,7 +56,7 @@ async def test_capacity_is_read_from_vllm_metrics_and_config_overrides_it(sim_fa
 async def test_a_replica_of_unknown_capacity_is_not_admitted_to(stub_factory, gateway_factory):
     stub = await stub_factory(num_gpu_blocks="None")  # vLLM reports "None" while starting
     gw = await gateway_factory(gateway_config([stub.url]), wait=False)
-    await until(lambda: _true(any(r.healthy for r in gw.gateway.registry)))
+    await eventually(lambda: _true(any(r.healthy for r in gw.gateway.registry)))
     async with aiohttp.ClientSession() as session:
         body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
         async with session.post(f"{gw.url}/v1/chat/completions", json=body) as r:
@@ -94,7 +87,7 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
                 and (value(s, "kvgate_replica_vllm_kv_usage_ratio", replica=kv_replica.id) or 0) > 0
             )
 
-        await until(all_three_lines)
+        await eventually(all_three_lines)
         samples = await scrape(gw.url)
         reserved = value(samples, "kvgate_replica_reserved_blocks", replica=kv_replica.id)
         written = value(samples, "kvgate_replica_written_blocks", replica=kv_replica.id)
@@ -108,7 +101,7 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
         s = await scrape(gw.url)
         return value(s, "kvgate_replica_reserved_blocks", replica=kv_replica.id) == 0
 
-    await until(drained)
+    await eventually(drained)
     samples = await scrape(gw.url)
     assert (value(samples, "kvgate_reservation_efficiency_ratio_count", pool="default") or 0) == 1
     assert (value(samples, "kvgate_request_worst_case_blocks_count", pool="default") or 0) == 1
@@ -116,3 +109,39 @@ async def test_reserved_written_and_vllm_usage_are_exported_while_a_stream_runs(
 
 async def _true(x: bool) -> bool:
     return x
+
+
+async def test_headroom_is_exported_and_shown_at_predicted_demand_and_at_the_worst_case(
+    sim_factory, gateway_factory
+):
+    """Once answers are known, a request reserves its prompt and their expected length, not
+    its whole max_tokens: the gauge and /admin/replicas tell both how many more such requests fit
+    and how many more worst cases do, from the one fleet snapshot."""
+    replica = await sim_factory(num_gpu_blocks=512, max_model_len=2048, time_scale=0.01)
+    gw = await gateway_factory(gateway_config([replica.url]))
+    (kv_replica,) = gw.gateway.registry
+    body = {"model": "sim-model", "max_tokens": 640,
+            "messages": [{"role": "user", "content": "a short question"}]}
+    async with aiohttp.ClientSession() as session:
+        async def answered() -> None:
+            async with session.post(f"{gw.url}/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+
+        await asyncio.gather(*(answered() for _ in range(16)))  # teach kvgate their length
+        await answered()  # reserves its predicted length
+        async with session.get(f"{gw.url}/admin/replicas") as r:
+            (shown,) = (await r.json())["replicas"]
+    headroom = shown["headroom_requests"]
+    assert set(headroom) == {"predicted", "worst_case"}
+    assert headroom["worst_case"] == int(512 * 0.9) // 41  # 640 + the prompt: 41 blocks
+    # prompt + the answers' expected length, well short of max_tokens
+    assert headroom["predicted"] > headroom["worst_case"]
+
+    async def exported() -> bool:
+        s = await scrape(gw.url)
+        return all(
+            value(s, "kvgate_replica_headroom_requests", replica=kv_replica.id, basis=basis)
+            == headroom[basis] for basis in headroom
+        )
+
+    await eventually(exported)

@@ -23,6 +23,7 @@ from tests.plugins.gateway import (
     openai_error,
     wait_settled,
 )
+from tests.plugins.waiting import eventually
 
 GatewayAt = Callable[..., Awaitable[int]]
 CHAT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -161,12 +162,11 @@ async def test_connections_beyond_the_cap_are_refused_with_503(gateway_at: Gatew
         for _, writer in held:
             writer.close()
     # once they are gone, a new client is served again
-    for _ in range(100):
-        status, body = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        if status == 200:
-            break
-        await asyncio.sleep(0.02)
-    assert status == 200
+    async def served() -> bool:
+        status, _ = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return status == 200
+
+    await eventually(served, timeout_s=2, what="a new client served again")
     _, scrape = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert refused in scrape
 
@@ -185,7 +185,8 @@ async def test_a_client_that_stops_reading_a_stream_is_cut_off_after_the_idle_ti
                          "messages": [{"role": "user", "content": "hi"}]})
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(gw.url.rsplit(":", 1)[1])))
     reader, writer = await asyncio.open_connection(sock=sock)
     try:
         writer.write(CHAT + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"

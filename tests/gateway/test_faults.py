@@ -147,7 +147,7 @@ async def test_config_reloads_under_load_leave_nothing_held(
         nonlocal reloads
         while not stop.is_set():
             variant = variants[reloads % len(variants)]
-            assert reload(gw.app, lambda variant=variant: variant)
+            assert await reload(gw.app, lambda variant=variant: variant)
             reloads += 1
             await asyncio.sleep(0.01)
 

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.plugins.bodies import SIM_MODEL, chat
 from tests.plugins.gateway import gateway_config, wait_settled
 
 SIM = dict(num_gpu_blocks=400, max_model_len=4096, max_num_seqs=64, time_scale=0.01,
@@ -21,8 +22,7 @@ SIM = dict(num_gpu_blocks=400, max_model_len=4096, max_num_seqs=64, time_scale=0
 
 
 def body(i: int) -> dict[str, Any]:
-    return {"model": "sim-model", "max_tokens": 2000,
-            "messages": [{"role": "user", "content": f"Question {i} about paged attention."}]}
+    return chat(f"Question {i} about paged attention.", model=SIM_MODEL, max_tokens=2000)
 
 
 async def run(url: str, n: int, gw: Any) -> int:
@@ -50,8 +50,7 @@ async def test_predicted_admission_runs_many_more_requests_without_preemption(
 ):
     sim = await sim_factory(**SIM)
     gw = await gateway_factory(gateway_config(
-        [sim.url], admission={"mode": mode, "queue": {"max_wait_s": 60, "wait_budget_s": {
-            "standard": 60}}},
+        [sim.url], admission={"mode": mode, "queue": {"max_wait_s": 60}},
     ))
     await run(gw.url, 20, gw)  # the answers kvgate learns lengths from
     peak = await run(gw.url, 40, gw)

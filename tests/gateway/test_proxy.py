@@ -9,6 +9,7 @@ import openai
 import orjson
 
 from tests.plugins.gateway import gateway_config
+from tests.plugins.waiting import eventually
 
 
 async def post(url: str, body: object, **kwargs: object) -> tuple[int, dict, bytes]:
@@ -160,15 +161,13 @@ async def test_client_disconnect_cancels_the_upstream_and_releases_the_ledger(
         await response.content.readuntil(b"\n\n")
         assert await gw.gateway.store.held(f"ledger:{replica.id}") > 0
         response.close()  # the client goes away mid-stream
-    for _ in range(200):
-        if stub.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stub.cancelled, timeout_s=2, what="the upstream call cancelled")
     assert stub.cancelled == 1 and stub.finished == 0
-    for _ in range(200):
-        if await gw.gateway.store.held(f"ledger:{replica.id}") == 0 and not replica.inflight:
-            break
-        await asyncio.sleep(0.01)
+
+    async def released() -> bool:
+        return await gw.gateway.store.held(f"ledger:{replica.id}") == 0 and not replica.inflight
+
+    await eventually(released, timeout_s=2, what="the ledger released")
     assert await gw.gateway.store.held(f"ledger:{replica.id}") == 0
     assert not replica.inflight
 

@@ -17,6 +17,8 @@ import orjson
 from kvgate.config import Config
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
+from tests.plugins import bodies
+from tests.plugins.bodies import SIM_MODEL
 from tests.plugins.gateway import (
     RunningGateway,
     StubUpstream,
@@ -24,7 +26,7 @@ from tests.plugins.gateway import (
     openai_error,
     wait_released,
 )
-from tests.sim.helpers import eventually
+from tests.plugins.waiting import eventually
 
 SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.02, output_len_dist="max")
 # Real time: a long answer decodes for seconds (about 6 ms a token), so it is in flight.
@@ -34,8 +36,7 @@ GatewayFactory = Callable[..., Awaitable[RunningGateway]]
 
 
 def chat(text: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"model": "sim-model", "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": text}], **extra}
+    return bodies.chat(text, model=SIM_MODEL, max_tokens=max_tokens, **extra)
 
 
 async def post(
@@ -56,11 +57,12 @@ def names(sims: list[SimReplica]) -> list[dict[str, str]]:
     return [{"url": s.url, "name": f"r{i}"} for i, s in enumerate(sims)]
 
 
-def one_replica(sim: SimReplica, **admission: Any) -> Config:
+def one_replica(sim: SimReplica, discovery_s: float = 0.1, **admission: Any) -> Config:
     return gateway_config(
         [], pools={"default": {"replicas": names([sim])}},
         admission=admission,
         routing={"circuit": {"failure_threshold": 2, "open_s": 60}},
+        discovery={"interval_s": discovery_s, "timeout_s": 1.0},
     )
 
 
@@ -68,8 +70,10 @@ async def test_a_replica_refusing_as_busy_is_never_ejected_while_real_5xx_still_
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
     sim = await sim_factory(**SIM, max_num_queued_reqs=0)  # refuses everything as busy
+    # Discovery once, at the start: its next read of /v1/models, answered 500 once the replica
+    # is broken below, would mark it unhealthy before the requests could open its circuit.
     gw = await gateway_factory(one_replica(
-        sim, busy_backoff_s=0.01, queue={"wait_budget_s": {"standard": 0.3}},
+        sim, discovery_s=60, busy_backoff_s=0.01, queue={"max_wait_s": 0.3},
     ))
     async with aiohttp.ClientSession() as http:
         answers = await asyncio.gather(
@@ -124,7 +128,7 @@ async def test_with_one_replica_a_request_refused_as_busy_waits_and_completes_on
     sim = await sim_factory(**SLOW, max_num_queued_reqs=1)
     # no lapse during the test: only the first request's end lets the second try again
     gw = await gateway_factory(one_replica(
-        sim, busy_backoff_s=60, queue={"wait_budget_s": {"standard": 20}},
+        sim, busy_backoff_s=60, queue={"max_wait_s": 20},
     ))
     async with aiohttp.ClientSession() as http:
         first = await http.post(f"{gw.url}/v1/chat/completions",
@@ -151,7 +155,7 @@ async def test_with_one_replica_busy_past_the_wait_budget_the_client_gets_429_wi
     # steps slept out 1000x: the first request stays in prefill, its prompt over the limit
     sim = await sim_factory(**{**SIM, "time_scale": 1000.0}, max_num_queued_tokens=1)
     gw = await gateway_factory(one_replica(
-        sim, busy_backoff_s=60, queue={"wait_budget_s": {"standard": 0.3}},
+        sim, busy_backoff_s=60, queue={"max_wait_s": 0.3},
     ))
     async with aiohttp.ClientSession() as http:
         first = await http.post(f"{gw.url}/v1/chat/completions",
@@ -174,9 +178,9 @@ async def test_a_client_that_leaves_while_queued_after_a_busy_answer_leaves_noth
 ) -> None:
     sim = await sim_factory(**{**SIM, "time_scale": 1000.0}, max_num_queued_tokens=1)
     gw = await gateway_factory(one_replica(
-        sim, busy_backoff_s=60, queue={"wait_budget_s": {"standard": 20}},
+        sim, busy_backoff_s=60, queue={"max_wait_s": 20},
     ))
-    queue = gw.gateway.admission._pool("default").queue  # the queue has no public reader
+    queue = gw.gateway.admission.pool("default").queue
     async with aiohttp.ClientSession() as http:
         first = await http.post(f"{gw.url}/v1/chat/completions",
                                 json=chat("in prefill", 100, stream=True))
@@ -196,7 +200,7 @@ async def test_the_replicas_rising_admission_rejections_make_its_overcommit_back
     sim_factory: SimFactory, gateway_factory: GatewayFactory
 ) -> None:
     sim = await sim_factory(**SIM, max_num_queued_reqs=0)
-    gw = await gateway_factory(one_replica(sim, queue={"wait_budget_s": {"standard": 0.3}}))
+    gw = await gateway_factory(one_replica(sim, queue={"max_wait_s": 0.3}))
     replica = next(iter(gw.gateway.registry))
     await eventually(lambda: replica.scrape is not None and replica.scrape.admission_rejections == 0)
     async with aiohttp.ClientSession() as http:

@@ -5,7 +5,6 @@ through Redis by two instances and kept across a restart."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import aiohttp
@@ -13,19 +12,21 @@ import orjson
 import pytest
 
 from kvgate.config import SessionsConfig
-from kvgate.requests import Endpoint, parse_body
+from kvgate.request.parsed import Endpoint, parse_body
 from kvgate.routing.sessions import Sessions, session_key
 from kvgate.sim.faults import Faults
 from kvgate.state.redis import RedisStore
+from tests.plugins import bodies
+from tests.plugins.bodies import SIM_MODEL
 from tests.plugins.gateway import RunningGateway, gateway_config, wait_released
+from tests.plugins.waiting import eventually
 
 SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.02, output_len_dist="max")
-SYSTEM = {"role": "system", "content": "You are the support assistant of a bicycle shop."}
+SYSTEM = "You are the support assistant of a bicycle shop."
 
 
 def chat(text: str, max_tokens: int = 16) -> dict[str, Any]:
-    return {"model": "sim-model", "max_tokens": max_tokens,
-            "messages": [SYSTEM, {"role": "user", "content": text}]}
+    return bodies.chat(text, model=SIM_MODEL, max_tokens=max_tokens, system_prompt=SYSTEM)
 
 
 async def post(
@@ -37,17 +38,9 @@ async def post(
         return resp.status, resp.headers.get("X-Kvgate-Replica")
 
 
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 async def exported(gw: RunningGateway, line: str) -> None:
     """Until /metrics has `line` (gauges are refreshed once a second)."""
-    await until(lambda: line in gw.gateway.metrics.render().decode(), timeout_s=5.0)
+    await eventually(lambda: line in gw.gateway.metrics.render().decode(), timeout_s=5.0)
 
 
 def names(sims: list[Any]) -> list[dict[str, str]]:
@@ -61,8 +54,7 @@ async def test_one_dominant_system_prompt_spreads_within_the_bounded_load(
     gw = await gateway_factory(gateway_config(
         [], pools={"default": {"replicas": names(sims)}},
         routing={"scorers": {"prefix_affinity": 1}, "load_floor": 0.0},
-        admission={"mode": "worst_case", "queue": {"max_wait_s": 60,
-                                                   "wait_budget_s": {"standard": 60}}},
+        admission={"mode": "worst_case", "queue": {"max_wait_s": 60}},
     ))
     admission = gw.gateway.admission
     samples: list[list[int]] = []
@@ -115,7 +107,7 @@ async def test_a_killed_replica_costs_no_request_that_had_not_begun_streaming(
 
     async with aiohttp.ClientSession() as http:
         chats = [asyncio.create_task(conversation(http, f"chat-{c}")) for c in range(12)]
-        await until(lambda: ok >= 12)
+        await eventually(lambda: ok >= 12)
         await sims[0].stop_for(None)  # killed: connections refused, streams cut
         await asyncio.gather(*chats)
     assert failures_before_any_byte == []
@@ -151,7 +143,7 @@ async def test_a_replica_answering_500s_is_ejected_then_readmitted_after_a_trial
         assert 'kvgate_upstream_retries_total{pool="default",reason="upstream_error"} 2.0' in text
         await bad.set_faults(Faults())
         # after open_s, the next request r0 gets is the trial
-        await until(lambda: gw.gateway.breakers.state("r0") == "half_open")
+        await eventually(lambda: gw.gateway.breakers.state("r0") == "half_open")
         later = [await post(http, gw, chat(f"later {i}")) for i in range(4)]
     assert all(status == 200 for status, _ in later)
     assert "r0" in {replica for _, replica in later}
@@ -190,7 +182,7 @@ async def test_drain_takes_no_new_requests_lets_in_flight_ones_finish_and_rebind
         status, home = await post(http, gw, chat("first"), session="s1")
         assert status == 200 and home is not None
         slow = asyncio.create_task(post(http, gw, chat("long answer", 300), session="s1"))
-        await until(lambda: gw.gateway.registry.get(home).inflight)
+        await eventually(lambda: gw.gateway.registry.get(home).inflight)
         async with http.post(f"{gw.url}/admin/replicas/{home}/drain") as resp:
             assert resp.status == 200 and (await resp.json())["draining"] is True
         after = [await post(http, gw, chat(f"next {i}"), session="s1") for i in range(3)]
@@ -264,7 +256,7 @@ async def test_a_half_open_replica_takes_one_trial_not_a_burst(sim_factory, gate
             assert (await post(http, gw, chat("trip")))[0] == 200  # retried on r1
         # recovered, but slow to answer: the trial holds the circuit half open meanwhile
         await bad.set_faults(Faults(latency_s=0.5))
-        await until(lambda: gw.gateway.breakers.state("r0") == "half_open")
+        await eventually(lambda: gw.gateway.breakers.state("r0") == "half_open")
         burst = await asyncio.gather(*(post(http, gw, chat(f"b{i}")) for i in range(10)))
     assert all(status == 200 for status, _ in burst)
     assert [replica for _, replica in burst].count("r0") == 1  # the trial, and no one else
@@ -280,7 +272,7 @@ async def test_a_session_waiting_for_its_replica_does_not_hold_up_other_requests
             for i in range(2)]
     gw = await gateway_factory(gateway_config(
         [], pools={"default": {"replicas": names(sims)}},
-        admission={"mode": "worst_case", "queue": {"wait_budget_s": {"standard": 10}}},
+        admission={"mode": "worst_case", "queue": {"max_wait_s": 10}},
         # a loose bound: the session keeps its full replica, and waits for it
         routing={"sessions": {"sources": ["header"], "affinity_wait_s": 2.0}, "load_factor": 10},
     ))
@@ -291,9 +283,9 @@ async def test_a_session_waiting_for_its_replica_does_not_hold_up_other_requests
         # fill the session's replica: 57 of its 57 admissible blocks, for a while
         filler = asyncio.create_task(post(http, gw, {**chat("fill", 880), "messages": [
             {"role": "user", "content": "x"}]}, session="s1"))
-        await until(lambda: gw.gateway.admission.reserved.get(home, 0) >= 50)
+        await eventually(lambda: gw.gateway.admission.reserved.get(home, 0) >= 50)
         held = asyncio.create_task(post(http, gw, chat("turn 2"), session="s1"))
-        await until(lambda: len(gw.gateway.admission._pool("default").queue) == 1)
+        await eventually(lambda: len(gw.gateway.admission.pool("default").queue) == 1)
         before = admissions.labels("default", other, "no")._value.get()
         assert await post(http, gw, chat("no session")) == (200, other)
         # placed at once, not queued behind the session's request
@@ -317,13 +309,13 @@ async def test_a_drain_through_one_instance_drains_the_replica_on_every_instance
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{first.url}/admin/replicas/r0/drain") as resp:
             assert resp.status == 200
-        await until(lambda: second.gateway.registry.get("r0").draining)
+        await eventually(lambda: second.gateway.registry.get("r0").draining)
         served = {replica for _, replica in
                   [await post(http, second, chat(f"q{i}")) for i in range(4)]}
         assert served == {"r1"}
         await second.runner.cleanup()
         restarted = await gateway_factory(config())  # the flag outlives an instance
-        await until(lambda: restarted.gateway.registry.get("r0").draining)
+        await eventually(lambda: restarted.gateway.registry.get("r0").draining)
         async with http.post(f"{restarted.url}/admin/replicas/r0/undrain") as resp:
             assert resp.status == 200
-        await until(lambda: not first.gateway.registry.get("r0").draining)
+        await eventually(lambda: not first.gateway.registry.get("r0").draining)

@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 
 from tests.plugins.gateway import gateway_config, openai_error, wait_settled
+from tests.plugins.waiting import eventually
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 STREAM = {**CHAT, "stream": True}
@@ -66,11 +67,7 @@ async def test_replica_discovery_marks_unhealthy_gives_503_not_404(stub_factory,
     replica = next(iter(gw.gateway.registry))
     assert stub.runner is not None
     await stub.runner.cleanup()
-    for _ in range(300):
-        if not replica.healthy:
-            break
-        await asyncio.sleep(0.01)
-    assert not replica.healthy
+    await eventually(lambda: not replica.healthy, timeout_s=3, what="the replica marked down")
     status, _, raw = await post(f"{gw.url}/v1/chat/completions", CHAT)
     assert status == 503, raw
     assert openai_error(raw)["code"] == "no_replica"
@@ -222,10 +219,7 @@ async def test_replica_going_silent_mid_stream_ends_it_with_a_timeout_event(
     assert openai_error(events[-1])["code"] == "upstream_timeout"
     assert len(events) == 2
     await wait_settled(gw)
-    for _ in range(300):  # kvgate hung up on the silent replica
-        if stub.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: stub.cancelled, timeout_s=3, what="kvgate hanging up on the silent replica")
     assert stub.cancelled == 1
 
 

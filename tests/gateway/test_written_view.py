@@ -15,6 +15,7 @@ import statistics
 
 import aiohttp
 
+from tests.plugins.bodies import SIM_MODEL, chat
 from tests.plugins.gateway import gateway_config
 
 SIM = dict(num_gpu_blocks=1024, max_model_len=4096, max_num_seqs=64, time_scale=0.5)
@@ -25,11 +26,8 @@ SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i} applies." for i in
 def body(rng: random.Random, stream: bool, shared: bool) -> dict:
     words = " ".join(rng.choice(("kv", "cache", "block", "token", "gpu", "decode")) + str(
         rng.randrange(10**6)) for _ in range(120))
-    messages = [{"role": "user", "content": words}]
-    if shared:
-        messages.insert(0, {"role": "system", "content": SYSTEM})
-    return {"model": "sim-model", "messages": messages, "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "stream": stream}
+    return chat(words, model=SIM_MODEL, system_prompt=SYSTEM if shared else None,
+                max_tokens=MAX_TOKENS, ignore_eos=True, stream=stream)
 
 
 async def measure(
@@ -90,7 +88,7 @@ async def test_streamed_with_a_shared_system_prompt(sim_factory, gateway_factory
 
 def test_a_shared_prefix_counts_its_full_blocks_once_and_the_rest_per_request():
     from kvgate.config import ReplicaConfig
-    from kvgate.replicas import Replica, Writing
+    from kvgate.fleet.replicas import Replica, Writing
 
     replica = Replica(ReplicaConfig(url="http://r", block_size=16), pool="default")
     replica.inflight = {
@@ -102,7 +100,7 @@ def test_a_shared_prefix_counts_its_full_blocks_once_and_the_rest_per_request():
 
 
 def test_the_decode_clock_integrates_the_per_sequence_rate_and_survives_a_restart():
-    from kvgate.replicas import DecodeClock, Scrape
+    from kvgate.fleet.scrape import DecodeClock, Scrape
 
     clock = DecodeClock()
     clock.observe(Scrape(at=0.0, generation_tokens=0, running=4))
@@ -115,7 +113,7 @@ def test_the_decode_clock_integrates_the_per_sequence_rate_and_survives_a_restar
 
 
 def test_the_decode_clock_never_runs_back_when_the_rate_falls_or_the_replica_restarts():
-    from kvgate.replicas import DecodeClock, Scrape
+    from kvgate.fleet.scrape import DecodeClock, Scrape
 
     clock = DecodeClock()
     clock.observe(Scrape(at=0.0, generation_tokens=0, running=1))
@@ -127,13 +125,27 @@ def test_the_decode_clock_never_runs_back_when_the_rate_falls_or_the_replica_res
     assert readings == sorted(readings)
 
 
+def test_the_decode_clock_holds_while_nothing_runs_and_leaves_out_a_late_older_read():
+    from kvgate.fleet.scrape import DecodeClock, Scrape
+
+    clock = DecodeClock()
+    clock.observe(Scrape(at=0.0, generation_tokens=0, running=1))
+    clock.observe(Scrape(at=1.0, generation_tokens=100, running=0))  # it ran, then went quiet
+    assert clock.reading(5.0) == 100  # no sequence runs: nothing to extrapolate
+    clock.observe(Scrape(at=2.0, generation_tokens=130, running=1))
+    clock.observe(Scrape(at=1.5, generation_tokens=115, running=1))  # a slower, older read
+    assert clock.reading(2.0) == 130
+    assert clock.reading(2.5) == 130 + 15  # at the last rate, 30/s
+
+
 def test_the_written_view_of_a_whole_answer_stays_between_its_prompt_and_worst_case():
-    from kvgate.catalog import Bound
+    from kvgate.admission.progress import written_tokens
     from kvgate.config import ReplicaConfig
-    from kvgate.progress import written_tokens
-    from kvgate.replicas import Replica, Scrape
-    from kvgate.requests import Endpoint, ParsedRequest
-    from kvgate.upstream import Outcome
+    from kvgate.fleet.replicas import Replica
+    from kvgate.fleet.scrape import Scrape
+    from kvgate.request.catalog import Bound
+    from kvgate.request.parsed import Endpoint, ParsedRequest
+    from kvgate.transport.base import Outcome
 
     replica = Replica(ReplicaConfig(url="http://127.0.0.1:1"), "pool")
     clock = replica.decode_clock
@@ -141,9 +153,8 @@ def test_the_written_view_of_a_whole_answer_stays_between_its_prompt_and_worst_c
     clock.observe(Scrape(at=1.0, generation_tokens=1000, running=1))
     parsed = ParsedRequest(Endpoint.CHAT, {}, "m", False, False, 50, 1, None)
     bound = Bound(prompt_tokens=300, max_tokens=50, worst_tokens=350, set_max_tokens=False)
-    outcome = Outcome()
-    outcome.sent_at = 0.0
-    written = written_tokens(parsed, bound, outcome, replica)
+    outcome = Outcome(replica=replica, sent_at=0.0, decode_start=clock.reading(0.0))
+    written = written_tokens(parsed, bound, outcome)
     seen = [written()]
     clock.observe(Scrape(at=2.0, generation_tokens=5, running=1))  # restarted: counters reset
     seen.append(written())

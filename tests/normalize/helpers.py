@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from kvgate.normalize.pipeline import Normalized, Settings, normalize
-from kvgate.requests import Endpoint, ParsedRequest, parse_body
+from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body
 
 SAFE = ("invisible_characters", "line_endings", "unicode_nfc", "trailing_whitespace",
         "canonical_json")

@@ -13,8 +13,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.app import build_app
-from kvgate.gateway import REQUEST_INFO, RequestInfo
+from kvgate.request.info import REQUEST_INFO, RequestInfo
+from tests.plugins import bodies
 from tests.plugins.gateway import RunningGateway, gateway_config, serve_app
+from tests.plugins.waiting import eventually
 
 TENANTS = {
     "auth": {"mode": "trusted_header", "trusted_networks": ["127.0.0.1/32"]},
@@ -23,8 +25,7 @@ TENANTS = {
 
 
 def chat(system: str, question: str = "hi", **fields: Any) -> dict[str, Any]:
-    return {"model": "stub-model", "max_tokens": 5, **fields, "messages": [
-        {"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return bodies.chat(question, system_prompt=system, **fields)
 
 
 async def post(gw: RunningGateway, body: dict[str, Any], tenant: str | None = None) -> int:
@@ -183,8 +184,9 @@ async def test_replica_prefix_cache_hit_ratio_is_exported_from_the_scrape(
     stats = replica.engine.stats
     expected = stats.prefix_cache_hits / stats.prefix_cache_queries
     key = ("kvgate_replica_prefix_cache_hit_ratio", (("replica", replica.url.removeprefix("http://")),))
-    deadline = time.monotonic() + 10
-    while not math.isclose((await scrape(gw)).get(key, math.nan), expected):
-        assert time.monotonic() < deadline, (await scrape(gw)).get(key)
-        await asyncio.sleep(0.05)
+
+    async def exported() -> bool:
+        return math.isclose((await scrape(gw)).get(key, math.nan), expected)
+
+    await eventually(exported, timeout_s=10, what=f"the exported hit ratio {expected}")
     assert 0 < expected < 1

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.normalize.noisy import clean_chats, noisy_chats
+from kvgate.tools.noisy import clean_chats, noisy_chats
 from tests.plugins.gateway import gateway_config
 
 REQUESTS = 24

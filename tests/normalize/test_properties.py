@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvgate.normalize.config import RelocationConfig, RuleName
 from kvgate.normalize.pipeline import RULES, CleanTexts, Settings, normalize
 from kvgate.normalize.relocate import compile_patterns
-from kvgate.requests import Endpoint, parse_body
+from kvgate.request.parsed import Endpoint, parse_body
 
 FRAGMENTS = [
     " ", "  ", "\t", "\n", "\r\n", "\r", "\u00a0", "\x0b", "```", "```py\n", "\n```\n",
@@ -120,3 +120,17 @@ def test_the_cache_of_clean_texts_never_changes_the_outcome(raw, pipeline):
         cached = normalize(parse(raw), pipeline, clean)
         fresh = normalize(parse(raw), pipeline)
         assert orjson.dumps(cached.request.body) == orjson.dumps(fresh.request.body)
+
+
+def test_merged_system_messages_are_cleaned_as_one_text_so_a_second_pass_changes_nothing():
+    """Found by the property above: "```" then "```py\\n" as two system messages. Alone, the
+    second one's newline is inside a code block and kept; merged after the first one's open
+    fence, it is outside one, and a second pass stripped it."""
+    raw = orjson.dumps({"endpoint": "chat", "body": {"model": "m", "messages": [
+        {"role": "system", "content": "```"}, {"role": "system", "content": "```py\n"},
+        {"role": "user", "content": "hi"},
+    ]}})  # fmt: skip
+    pipeline = Settings.of(["trailing_whitespace", "merge_system"])
+    once = normalize(parse(raw), pipeline)
+    assert once.request.body["messages"][0]["content"] == "```\n\n```py"
+    assert not normalize(once.request, pipeline).changed

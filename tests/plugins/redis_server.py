@@ -4,6 +4,9 @@
 else a private `redis-server` started for the session. When none works the test fails under CI
 (env `CI` non-empty) and is skipped elsewhere: CI must never silently skip the Redis tests.
 
+`store` (function): each StateStore implementation in turn, with `store_time` to let time pass
+for it (the memory store runs on a manual clock; Redis keeps its own, so that one sleeps).
+
 `private_redis` (function): a throwaway redis-server on a free port that the test may `stop()` and
 `start()` again on the same port, for outage tests.
 """
@@ -27,8 +30,11 @@ import redis
 from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
+from tests.plugins.clock import ManualClock, ManualStoreTime, RealStoreTime, StoreTime
 
 _STARTUP_TIMEOUT_S = 10.0
+# Looked up once at import, before any event loop runs (a PATH search stats files).
+REDIS_SERVER = shutil.which("redis-server")
 
 
 def _unavailable(reason: str) -> NoReturn:
@@ -55,10 +61,9 @@ def free_port() -> int:
 
 
 def _server_command(port: int) -> list[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if REDIS_SERVER is None:
         _unavailable("no redis-server binary on PATH")
-    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 
 
 def _port_open(port: int) -> bool:
@@ -113,8 +118,13 @@ def key_prefix(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.fixture
-async def memory_store() -> AsyncIterator[MemoryStore]:
-    store = MemoryStore()
+def memory_clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+async def memory_store(memory_clock: ManualClock) -> AsyncIterator[MemoryStore]:
+    store = MemoryStore(clock=memory_clock)
     yield store
     await store.close()
 
@@ -131,6 +141,15 @@ def store(request: pytest.FixtureRequest) -> StateStore:
     """Each StateStore implementation in turn, for the contract suite."""
     implementation: StateStore = request.getfixturevalue(f"{request.param}_store")
     return implementation
+
+
+@pytest.fixture
+def store_time(request: pytest.FixtureRequest, store: StateStore) -> StoreTime:
+    """Lets time pass for the `store` of this test: the memory store's clock moves at once;
+    Redis keeps its own clock, so the test sleeps."""
+    if request.node.callspec.params["store"] == "memory":
+        return ManualStoreTime(request.getfixturevalue("memory_clock"))
+    return RealStoreTime()
 
 
 class PrivateRedis:
@@ -189,7 +208,7 @@ async def _accepts(port: int) -> bool:
 
 @pytest.fixture
 async def private_redis() -> AsyncIterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
+    if REDIS_SERVER is None:
         _unavailable("no redis-server binary on PATH for a private server")
     server = PrivateRedis(free_port())
     await server.start()

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from kvgate.request.tokens import TiktokenTokenizer, load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
-from kvgate.tokens import TiktokenTokenizer, load_tiktoken
 
 SimFactory = Callable[..., Awaitable[SimReplica]]
 

@@ -1,12 +1,37 @@
-"""Fleet snapshots made by hand for the router's unit tests: no server, no store."""
+"""Fleet snapshots made by hand for the router's unit tests: no server; what the plugins
+use (`deps`) over the in-memory store; and a ranker that needs no router for admission's."""
 
 from __future__ import annotations
 
-from kvgate.config import AdmissionConfig, ReplicaConfig
-from kvgate.demand import Demand
-from kvgate.replicas import Replica, Scrape
-from kvgate.routing.fleet import Fleet, take_snapshot
+from collections.abc import Sequence
+
+from kvgate.admission.demand import Demand
+from kvgate.admission.stage import Admission, Ranker
+from kvgate.config import AdmissionConfig, Config, ReplicaConfig, parse_config
+from kvgate.fleet.health import Breakers
+from kvgate.fleet.replicas import Replica
+from kvgate.fleet.scrape import Scrape
+from kvgate.fleet.snapshot import Fleet, take_snapshot
+from kvgate.fleet.view import FleetView
+from kvgate.metrics import Metrics
+from kvgate.routing.plugin import Deps
+from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
+from kvgate.routing.sessions import Sessions
+from kvgate.state.memory import MemoryStore
+
+CONFIG: Config = parse_config({"pools": {"p": {"replicas": [{"url": "http://a:8000"}]}}})
+
+
+def deps(
+    store: MemoryStore | None = None,
+    metrics: Metrics | None = None,
+    breakers: Breakers | None = None,
+) -> Deps:
+    metrics = metrics or Metrics()
+    return Deps(
+        Sessions(store or MemoryStore(), metrics), breakers or Breakers(lambda: CONFIG), metrics
+    )
 
 
 def replica(
@@ -34,6 +59,7 @@ def fleet(
     *replicas: Replica,
     reserved: dict[str, int] | None = None,
     circuits: dict[str, str] | None = None,
+    busy: frozenset[str] = frozenset(),
 ) -> Fleet:
     return take_snapshot(
         replicas,
@@ -43,6 +69,7 @@ def fleet(
         shared_prefix_blocks=lambda rid: 0,
         circuit=lambda rid: (circuits or {}).get(rid, "closed"),
         overcommit=lambda rid: 1.0,
+        busy=busy.__contains__,
         now=1e12,
     )
 
@@ -54,6 +81,18 @@ def route(
     prefix: str | None = None,
     model: str = "m",
     exclude: frozenset[str] = frozenset(),
+    holder: str | None = None,
 ) -> Route:
     demand = Demand("p", model, tokens, "t", "standard")
-    return Route(demand, session_key=session, prefix=prefix, exclude=exclude)
+    return Route(demand, session_key=session, prefix=prefix, exclude=exclude, holder=holder)
+
+
+def in_order(admission: Admission, replicas: Sequence[Replica]) -> Ranker:
+    """A ranker that tries `replicas` in the order given, each as the fleet view shows it at
+    the attempt, under the config in force."""
+    view = FleetView(replicas, admission)
+
+    async def rank(waited_s: float) -> Ranking:
+        return Ranking(list(view.take(admission.current())))
+
+    return rank

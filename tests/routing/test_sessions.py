@@ -6,7 +6,7 @@ import orjson
 
 from kvgate.config import SessionsConfig
 from kvgate.metrics import Metrics
-from kvgate.requests import Endpoint, parse_body
+from kvgate.request.parsed import Endpoint, parse_body
 from kvgate.routing.sessions import Sessions, session_key
 from kvgate.state.memory import MemoryStore
 from tests.routing.fleets import fleet, replica
@@ -74,11 +74,11 @@ async def test_bindings_are_new_then_hit_then_rebound_with_the_reason():
     sessions = Sessions(store, metrics)
     healthy = fleet(replica("a"), replica("b"))
     config = SessionsConfig(ttl_s=60)
-    await sessions.ran_on("s", "a", healthy, config)
-    await sessions.ran_on("s", "a", healthy, config)
+    await sessions.ran_on("s", "a", healthy, config.ttl_s)
+    await sessions.ran_on("s", "a", healthy, config.ttl_s)
     drained = fleet(replica("a", drain=True), replica("b"))
-    sessions._cache.clear()  # another instance's view: read the store
-    await sessions.ran_on("s", "b", drained, config)
+    sessions.forget_reads()  # another instance's view: read the store
+    await sessions.ran_on("s", "b", drained, config.ttl_s)
     assert await store.lookup(Sessions.store_key("s")) == "b"
     count = metrics.session_routes.labels
     assert count("new", "unbound")._value.get() == 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -11,16 +9,6 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim.server import SimReplica
-
-EVENTUALLY_S = 5.0
-
-
-async def eventually(predicate: Callable[[], bool]) -> None:
-    """Wait until `predicate()` holds (state another task changes), failing after 5 s."""
-    async with asyncio.timeout(EVENTUALLY_S):
-        # Polling on purpose: the state lives in the replica, which offers no event for it.
-        while not predicate():  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
 
 # A replica that answers in milliseconds: small pool, fast simulated GPU.
 FAST = {"time_scale": 0.001, "num_gpu_blocks": 256, "max_model_len": 1024}

@@ -15,8 +15,11 @@ import pytest
 from kvgate.sim.admission import MESSAGES
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
+from tests.plugins import bodies
+from tests.plugins.bodies import OMIT
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import eventually, ok, post, scrape
+from tests.plugins.waiting import eventually
+from tests.sim.helpers import ok, post, scrape
 
 # Each step is slept out 1000x: a request sent stays in prefill (no token yet) for seconds.
 FROZEN = {"time_scale": 1000.0, "num_gpu_blocks": 256, "max_model_len": 1024}
@@ -25,7 +28,7 @@ SLOW = {"time_scale": 1.0, "num_gpu_blocks": 256, "max_model_len": 2048}
 
 
 def chat(content: str, max_tokens: int = 1000, **extra: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+    return bodies.chat(content, model=OMIT, max_tokens=max_tokens, **extra)
 
 
 def rejections(families: dict[str, Any], reason: str) -> float:

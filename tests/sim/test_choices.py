@@ -13,7 +13,8 @@ import pytest
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import eventually, post, post_stream, scrape, value
+from tests.plugins.waiting import eventually
+from tests.sim.helpers import post, post_stream, scrape, value
 
 PROMPTS = ["Once upon a time", "The KV cache holds"]
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Say something."}]}

@@ -96,6 +96,7 @@ def test_fleet_errors_name_the_entry_and_key() -> None:
         parse_fleet([{"port": 5, "faults": {"explode": True}}])
 
 
+@pytest.mark.slow
 async def test_kvgate_sim_serves_announces_its_capacity_and_exits_cleanly_on_sigint() -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvgate.cli", "sim", "--port", "0", "--num-gpu-blocks", "128",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,8 @@ import openai
 import pytest
 
 from kvgate.sim.server import SimReplica
+from tests.plugins import bodies
+from tests.plugins.bodies import OMIT
 from tests.plugins.sim import SimFactory
 from tests.sim.helpers import FAST, ok, post, post_stream
 
@@ -35,8 +38,7 @@ async def client(replica: SimReplica) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-def chat(**extra: Any) -> dict[str, Any]:
-    return {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True, **extra}
+chat = partial(bodies.chat, model=OMIT, messages=MESSAGES, max_tokens=5, ignore_eos=True)
 
 
 # ---------------------------------------------------------------------------- logprobs

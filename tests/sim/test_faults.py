@@ -11,7 +11,8 @@ import pytest
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import FAST, eventually
+from tests.plugins.waiting import eventually
+from tests.sim.helpers import FAST
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 
+from kvgate.request.tokens import TiktokenTokenizer
 from kvgate.sim.extras import JSON_CONTENT, PLAIN, TOOL_ARGUMENTS
 from kvgate.sim.logprobs import ALTERNATIVES, LogprobTable, text_logprobs
 from kvgate.sim.options import MAX_LOGPROBS
 from kvgate.sim.text import filler_text
-from kvgate.tokens import TiktokenTokenizer
 
 
 def test_alternatives_are_distinct_one_token_words(sim_tokenizer: TiktokenTokenizer) -> None:

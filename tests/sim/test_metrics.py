@@ -9,7 +9,8 @@ import pytest
 
 from kvgate.sim.server import SimReplica
 from tests.plugins.sim import SimFactory
-from tests.sim.helpers import eventually, scrape, value
+from tests.plugins.waiting import eventually
+from tests.sim.helpers import scrape, value
 
 VLLM_METRICS = {
     "vllm:num_requests_running": "gauge",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from kvgate.request.tokens import TiktokenTokenizer
 from kvgate.sim.text import (
     FILLER,
     IM_END,
@@ -13,7 +14,6 @@ from kvgate.sim.text import (
     PromptError,
     filler_text,
 )
-from kvgate.tokens import TiktokenTokenizer
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ class CountingTokenizer:
 
     def __init__(self, inner: TiktokenTokenizer) -> None:
         self.inner, self.name, self.calls = inner, inner.name, 0
-        self._encoding = inner._encoding
+        self.decode = inner.decode
 
     def encode(self, text: str) -> list[int]:
         self.calls += 1

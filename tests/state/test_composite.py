@@ -25,6 +25,7 @@ from kvgate.state.base import (
 )
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
+from tests.plugins.clock import StoreTime
 
 # Refill is negligible over a test: 100 units per 100,000 s.
 SLOW = BucketLimit(capacity=100, period_s=100_000.0)
@@ -108,9 +109,11 @@ async def test_a_charge_counts_the_leases_taken_by_single_calls(store: StateStor
     assert await levels(store) == (2, 99, 0)
 
 
-async def test_an_expired_lease_makes_room_for_a_charge(store: StateStore) -> None:
+async def test_an_expired_lease_makes_room_for_a_charge(
+    store: StateStore, store_time: StoreTime
+) -> None:
     await store.charge(LeaseHold(POOL, "crashed", 1, 1, ttl_s=0.1), [])
-    await asyncio.sleep(0.2)
+    await store_time.advance(0.2)
     assert (await store.charge(lease("new", limit=1), takes())).granted
     assert await store.held(POOL) == 1
 

@@ -1,8 +1,9 @@
 """The StateStore contract (kvgate/state/base.py), checked against every implementation.
 
-Runs on real time (Redis keeps its own clock), so expiry and refill tests use short TTLs and
-periods and only assert what a slow machine cannot break: that something has expired after
-waiting longer than its TTL, never how little time something took.
+Time passes through `store_time.advance(seconds)`: the memory store's clock moves at once, and
+Redis, which keeps its own clock, is waited out for real. So expiry and refill tests use short
+TTLs and periods and only assert what a slow machine cannot break: that something has expired
+after waiting longer than its TTL, never how little time something took.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import pytest
 
 from kvgate.state.base import BucketLimit, StateStore
+from tests.plugins.clock import StoreTime
 
 # Refill is negligible over a test: 100 units per 100,000 s.
 SLOW = BucketLimit(capacity=100, period_s=100_000.0)
@@ -72,21 +74,25 @@ async def test_releasing_an_unknown_lease_frees_nothing(store: StateStore) -> No
     assert await store.held("pool") == 3
 
 
-async def test_an_expired_lease_returns_its_capacity(store: StateStore) -> None:
+async def test_an_expired_lease_returns_its_capacity(
+    store: StateStore, store_time: StoreTime
+) -> None:
     assert await store.try_acquire("pool", "crashed", 8, limit=10, ttl_s=0.1)
     assert await store.try_acquire("pool", "alive", 2, limit=10, ttl_s=30)
-    await asyncio.sleep(0.2)
+    await store_time.advance(0.2)
     assert await store.held("pool") == 2
     assert await store.release("pool", "crashed") == 0
     assert await store.try_acquire("pool", "new", 8, limit=10, ttl_s=30)
     assert await store.held("pool") == 10
 
 
-async def test_renew_keeps_a_lease_alive_and_counts_the_live_ones(store: StateStore) -> None:
+async def test_renew_keeps_a_lease_alive_and_counts_the_live_ones(
+    store: StateStore, store_time: StoreTime
+) -> None:
     assert await store.try_acquire("pool", "a", 4, limit=10, ttl_s=0.3)
     assert await store.try_acquire("pool", "b", 3, limit=10, ttl_s=0.3)
     assert await store.renew("pool", ["a", "unknown"], ttl_s=30) == 1
-    await asyncio.sleep(0.4)
+    await store_time.advance(0.4)
     assert await store.held("pool") == 4
     assert await store.renew("pool", ["a", "b"], ttl_s=30) == 1
     assert await store.renew("pool", [], ttl_s=30) == 0
@@ -176,11 +182,11 @@ async def test_peek_does_not_change_the_bucket(store: StateStore) -> None:
     assert empty.retry_after_s == pytest.approx(1_000, abs=5)
 
 
-async def test_a_bucket_refills_continuously(store: StateStore) -> None:
+async def test_a_bucket_refills_continuously(store: StateStore, store_time: StoreTime) -> None:
     fast = BucketLimit(capacity=10, period_s=1.0)
     assert (await store.take("bucket", 10, fast)).allowed
     assert not (await store.take("bucket", 3, fast)).allowed
-    await asyncio.sleep(0.35)  # at least 3.5 units back
+    await store_time.advance(0.35)  # at least 3.5 units back
     assert (await store.take("bucket", 3, fast)).allowed
 
 
@@ -218,17 +224,19 @@ async def test_compare_and_set_rebinds_only_from_the_expected_value(store: State
     assert await store.lookup("session") == "replica-b"
 
 
-async def test_a_binding_expires_after_its_ttl(store: StateStore) -> None:
+async def test_a_binding_expires_after_its_ttl(store: StateStore, store_time: StoreTime) -> None:
     await store.bind("session", "replica-a", ttl_s=0.1)
-    await asyncio.sleep(0.2)
+    await store_time.advance(0.2)
     assert await store.lookup("session") is None
     assert await store.bind("session", "replica-b", ttl_s=30) == "replica-b"
 
 
-async def test_rebinding_to_the_same_value_refreshes_the_ttl(store: StateStore) -> None:
+async def test_rebinding_to_the_same_value_refreshes_the_ttl(
+    store: StateStore, store_time: StoreTime
+) -> None:
     await store.bind("session", "replica-a", ttl_s=0.3)
     await store.bind("session", "replica-a", ttl_s=30)
-    await asyncio.sleep(0.4)
+    await store_time.advance(0.4)
     assert await store.lookup("session") == "replica-a"
 
 

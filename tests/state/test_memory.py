@@ -10,28 +10,21 @@ from hypothesis import strategies as st
 
 from kvgate.state.base import BucketLimit
 from kvgate.state.memory import MemoryStore
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.plugins.clock import ManualClock
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def store(clock: FakeClock) -> MemoryStore:
+def store(clock: ManualClock) -> MemoryStore:
     return MemoryStore(clock=clock)
 
 
 async def test_a_lease_counts_until_the_instant_it_expires(
-    store: MemoryStore, clock: FakeClock
+    store: MemoryStore, clock: ManualClock
 ) -> None:
     await store.try_acquire("pool", "a", 5, limit=10, ttl_s=10)
     clock.now += 9.999
@@ -40,7 +33,7 @@ async def test_a_lease_counts_until_the_instant_it_expires(
     assert await store.held("pool") == 0
 
 
-async def test_renew_pushes_the_expiry_from_now(store: MemoryStore, clock: FakeClock) -> None:
+async def test_renew_pushes_the_expiry_from_now(store: MemoryStore, clock: ManualClock) -> None:
     await store.try_acquire("pool", "a", 5, limit=10, ttl_s=10)
     clock.now += 8
     assert await store.renew("pool", ["a"], ttl_s=10) == 1
@@ -51,7 +44,7 @@ async def test_renew_pushes_the_expiry_from_now(store: MemoryStore, clock: FakeC
 
 
 async def test_refill_is_continuous_at_capacity_per_period(
-    store: MemoryStore, clock: FakeClock
+    store: MemoryStore, clock: ManualClock
 ) -> None:
     limit = BucketLimit(capacity=600, period_s=60)  # 10 units/s
     await store.take("bucket", 600, limit)
@@ -66,7 +59,7 @@ async def test_refill_is_continuous_at_capacity_per_period(
 
 
 async def test_debt_is_repaid_by_refill_before_anything_fits(
-    store: MemoryStore, clock: FakeClock
+    store: MemoryStore, clock: ManualClock
 ) -> None:
     limit = BucketLimit(capacity=100, period_s=10)  # 10 units/s
     forced = await store.take("bucket", 150, limit, force=True)
@@ -78,14 +71,14 @@ async def test_debt_is_repaid_by_refill_before_anything_fits(
     assert (await store.take("bucket", 1, limit)).allowed
 
 
-async def test_refill_never_exceeds_the_capacity(store: MemoryStore, clock: FakeClock) -> None:
+async def test_refill_never_exceeds_the_capacity(store: MemoryStore, clock: ManualClock) -> None:
     limit = BucketLimit(capacity=100, period_s=10)
     await store.take("bucket", 10, limit)
     clock.now += 3600
     assert (await store.peek("bucket", limit)).remaining == 100
 
 
-async def test_a_binding_expires_at_its_ttl(store: MemoryStore, clock: FakeClock) -> None:
+async def test_a_binding_expires_at_its_ttl(store: MemoryStore, clock: ManualClock) -> None:
     await store.bind("session", "replica-a", ttl_s=5)
     clock.now += 4.9
     assert await store.lookup("session") == "replica-a"
@@ -94,19 +87,19 @@ async def test_a_binding_expires_at_its_ttl(store: MemoryStore, clock: FakeClock
 
 
 async def test_expired_bindings_and_full_buckets_do_not_accumulate(
-    store: MemoryStore, clock: FakeClock
+    store: MemoryStore, clock: ManualClock
 ) -> None:
     limit = BucketLimit(capacity=10, period_s=1)
     for i in range(5_000):
         await store.bind(f"session-{i}", "replica-a", ttl_s=1)
         await store.take(f"bucket-{i}", 1, limit)
         clock.now += 0.01
-    assert len(store._bindings) < 2_100
-    assert len(store._buckets) < 2_100
+    assert store.kept_bindings < 2_100
+    assert store.kept_buckets < 2_100
 
 
 async def test_live_bindings_are_bounded_and_the_least_recently_bound_goes_first(
-    clock: FakeClock,
+    clock: ManualClock,
 ) -> None:
     """A client inventing a session key per request cannot grow the store for ttl_s."""
     store = MemoryStore(clock, max_bindings=3)
@@ -117,7 +110,7 @@ async def test_live_bindings_are_bounded_and_the_least_recently_bound_goes_first
     assert [await store.lookup(k) for k in ("a", "b", "c", "d")] == ["r1", None, "r1", "r2"]
     for i in range(1000):
         await store.bind(f"invented-{i}", "r1", 1800.0)
-    assert len(store._bindings) == 3
+    assert store.kept_bindings == 3
 
 
 @given(st.lists(st.tuples(
@@ -132,7 +125,7 @@ def test_held_matches_a_scan_of_the_live_leases_through_renewals_and_expiry(
 ) -> None:
     # The store keeps a running total and an expiry heap instead of scanning every lease on
     # every call; a plain model that scans must agree after every step, ties included.
-    clock = FakeClock()
+    clock = ManualClock()
     store = MemoryStore(clock=clock)
     model: dict[str, tuple[int, float]] = {}  # lease id -> (amount, expires_at)
 

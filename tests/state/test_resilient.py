@@ -20,6 +20,7 @@ from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
 from kvgate.state.resilient import FailureMode, ResilientStore
 from tests.plugins.redis_server import PrivateRedis
+from tests.plugins.waiting import eventually
 
 pytestmark = pytest.mark.redis
 
@@ -51,11 +52,7 @@ async def make_store(private_redis: PrivateRedis) -> AsyncIterator[StoreFactory]
 
 
 async def wait_until_up(store: ResilientStore) -> None:
-    for _ in range(500):
-        if store.up:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the store did not notice that Redis came back")
+    await eventually(lambda: store.up, timeout_s=10, what="the store noticing Redis came back")
 
 
 async def test_fail_closed_refuses_while_redis_is_down_and_recovers(
@@ -115,10 +112,8 @@ async def test_an_outage_is_logged_once_at_its_start_and_once_at_its_end(
     await wait_until_up(store)
     for _ in range(5):
         await store.take("tenant", 1, LIMIT)
-    for _ in range(100):  # the local use is then reconciled, and that says so in its own line
-        if store.reconciled_units:
-            break
-        await asyncio.sleep(0.02)
+    # the local use is then reconciled, and that says so in its own line
+    await eventually(lambda: store.reconciled_units, timeout_s=2, what="the reconciliation")
     logged = [record.getMessage() for record in caplog.records if record.name == LOGGER]
     messages = [m for m in logged if "used locally during the outage" not in m]
     assert len(logged) == len(messages) + 1
@@ -187,10 +182,7 @@ async def test_fail_open_charges_what_was_used_locally_to_redis_when_it_returns(
     await store.put_back("tenant", 5, LIMIT)  # a refund during the outage counts too
     await private_redis.start()
     await wait_until_up(store)
-    for _ in range(100):
-        if store.reconciled_units:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: store.reconciled_units, timeout_s=2, what="the reconciliation")
     assert store.reconciled_units == 25
     # Redis saw 10 before the outage and Redis was restarted empty (no persistence), so the
     # shared bucket now holds what the outage used: 100 - 25.
@@ -258,10 +250,8 @@ async def test_a_lease_charged_during_an_outage_is_settled_in_the_fallback_after
     assert (await store.charge(hold("during-outage"), takes(40))).granted
     await private_redis.start()
     await wait_until_up(store)
-    for _ in range(100):  # the recovery charges the shared buckets with the outage's use
-        if store.reconciled_units:
-            break
-        await asyncio.sleep(0.02)
+    # the recovery charges the shared buckets with the outage's use
+    await eventually(lambda: store.reconciled_units, timeout_s=2, what="the reconciliation")
     assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 60
     # still held locally: it counts against the shared limit on this instance
     assert await shared_view.held(POOL) == 0
@@ -301,10 +291,7 @@ async def test_fail_open_reconciles_what_local_charges_used_less_local_refunds(
     await store.settle(hold("a"), [BucketCorrection(TOKENS, 5, LIMIT)])  # refunded locally
     await private_redis.start()
     await wait_until_up(store)
-    for _ in range(100):
-        if store.reconciled_units:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: store.reconciled_units, timeout_s=2, what="the reconciliation")
     assert store.reconciled_units == 25 + 1  # tokens, and the one request
     assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 75
     assert (await shared_view.peek(REQUESTS, LIMIT)).remaining == 99
@@ -322,9 +309,6 @@ async def test_re_acquiring_a_fallback_lease_after_recovery_charges_the_shared_b
     again = await store.charge(LeaseHold(POOL, "a", 2, 3, ttl_s=30), takes(20))
     assert again.granted
     assert await store.held(POOL) == 2 and await shared_view.held(POOL) == 0
-    for _ in range(100):
-        if store.reconciled_units:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: store.reconciled_units, timeout_s=2, what="the reconciliation")
     assert (await shared_view.peek(TOKENS, LIMIT)).remaining == 80
     assert (await store.settle(hold("a"), [])).released == 2

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -13,6 +10,8 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.tenants import tenant_key
+from tests.plugins import bodies
+from tests.plugins.bodies import OMIT
 
 MODEL = "stub-model"
 
@@ -23,15 +22,8 @@ def digest(key: str) -> str:
 
 
 def chat(max_tokens: int = 5, *, stream: bool = False, model: str = MODEL, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": max_tokens,
-        **extra,
-    }
-    if stream:
-        body["stream"] = True
-    return body
+    return bodies.chat(model=model, max_tokens=max_tokens, stream=True if stream else OMIT,
+                       **extra)
 
 
 class Reply:
@@ -70,17 +62,6 @@ def sample(
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
 ) -> float | None:
     return samples.get((name, frozenset(labels.items())))
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll `check` until it holds; fail after `timeout_s` (a hang guard, not a timing claim)."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout_s:g}s")
-        await asyncio.sleep(0.05)
 
 
 def tokens_bucket(tenant: str) -> str:

@@ -19,11 +19,11 @@ import pytest
 from kvgate.state.base import BucketLimit
 from kvgate.state.memory import MemoryStore
 from tests.plugins.gateway import RunningGateway, gateway_config, openai_error, wait_settled
+from tests.plugins.waiting import eventually
 from tests.tenants.support import (
     RATE_LIMIT_HEADERS,
     chat,
     concurrency_pool,
-    eventually,
     metrics,
     post,
     sample,

@@ -23,9 +23,10 @@ import yaml
 from kvgate.state.redis import RedisStore
 from tests.plugins.gateway import StubUpstream
 from tests.plugins.redis_server import free_port
-from tests.tenants.support import chat, concurrency_pool, eventually
+from tests.plugins.waiting import eventually
+from tests.tenants.support import chat, concurrency_pool
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 LEASE_TTL_S = 1.0
 START_TIMEOUT_S = 30.0
@@ -39,7 +40,7 @@ async def kvgate_serve(
     port = free_port()
     tree = {**tree, "server": {"host": "127.0.0.1", "port": port, "drain_s": 0}}
     config = tmp_path / "kvgate.yaml"
-    config.write_text(yaml.safe_dump(tree))
+    await asyncio.to_thread(config.write_text, yaml.safe_dump(tree))
     log = tmp_path / "kvgate.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import aiohttp
 
 from tests.plugins.gateway import gateway_config, wait_settled
-from tests.tenants.support import chat, digest, eventually, metrics, post, sample
+from tests.plugins.waiting import eventually
+from tests.tenants.support import chat, digest, metrics, post, sample
 
 
 async def test_tenant_tokens_refusals_concurrency_and_store_health_are_exported(

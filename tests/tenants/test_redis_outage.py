@@ -18,7 +18,8 @@ import pytest
 from kvgate.state.redis import RedisStore
 from tests.plugins.gateway import RunningGateway, gateway_config, openai_error, wait_released
 from tests.plugins.redis_server import PrivateRedis
-from tests.tenants.support import chat, concurrency_pool, eventually, metrics, post, sample
+from tests.plugins.waiting import eventually
+from tests.tenants.support import chat, concurrency_pool, metrics, post, sample
 
 pytestmark = pytest.mark.redis
 

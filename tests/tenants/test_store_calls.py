@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from kvgate.admission.leases import LeaseKeeper
 from kvgate.config import TenantConfig
 from kvgate.errors import OverBudget
-from kvgate.leases import LeaseKeeper
 from kvgate.metrics import Metrics
 from kvgate.state.base import BucketLimit
 from kvgate.state.redis import RedisStore
 from kvgate.tenants import Budgets, tenant_key
-from tests.test_admission import whole
+from tests.admission.test_admission import whole
 
 pytestmark = pytest.mark.redis
 

@@ -1,0 +1,87 @@
+"""How far admission may trust its predictions on each replica: an AIMD controller fed by the
+replica's own metrics, that learns its limit from the signs that come before a preemption.
+
+Predicted reservations are a bet that answers stay near their usual length. The replica says
+how the bet goes, and it says so before vLLM has to preempt:
+
+- `vllm:kv_cache_usage_perc` at or above HIGH_WATER: the cache is next to full, and the
+  next blocks that running answers need may not be there — shrink (×EASE per scrape);
+- vLLM's own waiting queue growing while usage is above ROOM: it accepted more than its
+  free blocks let it start — shrink (×EASE per scrape);
+- `vllm:num_preemptions_total` or `vllm:admission_rejections_total` (its own queue limits,
+  `--max-num-queued-reqs/-tokens`) rising: the bet lost — back off at once (×BACKOFF);
+- usage below ROOM while requests wait in kvgate's queue: blocks are idle that could serve
+  them — grow (+STEP per scrape); never while usage is at or above ROOM, or unknown;
+- a waiting queue on the replica while its cache has room (it is limited by something else,
+  such as max_num_seqs): more would only wait there, out of kvgate's fair order — shrink back
+  towards 1, not below.
+
+The factor scales the replica's admissible blocks for predicted-mode requests; worst-case
+requests never see more than the plain limit. Pure: fed one scrape at a time, no clock, no
+I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOW, HIGH = 0.5, 2.0  # the factor's bounds
+STEP = 0.1  # added per scrape while there is room and demand
+BACKOFF = 0.7  # multiplied on a new preemption or admission rejection
+EASE = 0.9  # multiplied per scrape while a preemption is coming (see the module docstring)
+ROOM = 0.85  # vLLM's own usage below this counts as room
+HIGH_WATER = 0.95  # vLLM's own usage at or above this: the cache is next to full
+
+
+@dataclass(slots=True)
+class _Replica:
+    factor: float = 1.0
+    preemptions: float | None = None
+    rejections: float | None = None
+    waiting: float | None = None
+
+
+class Overcommit:
+    def __init__(self) -> None:
+        self._replicas: dict[str, _Replica] = {}
+
+    def factor(self, replica_id: str) -> float:
+        state = self._replicas.get(replica_id)
+        return 1.0 if state is None else state.factor
+
+    def observe(
+        self,
+        replica_id: str,
+        *,
+        preemptions: float | None,
+        kv_usage: float | None,
+        demand: bool,
+        waiting: float | None = None,
+        rejections: float | None = None,
+    ) -> float:
+        """Fold in one fresh scrape; `demand`: requests are waiting for capacity here;
+        `waiting`: the replica's own queue (requests it accepted but has not started);
+        `rejections`: requests its queue limits refused, since it started."""
+        state = self._replicas.setdefault(replica_id, _Replica())
+        high = kv_usage is not None and kv_usage >= ROOM
+        if _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections):
+            state.factor = max(LOW, state.factor * BACKOFF)
+        elif (kv_usage is not None and kv_usage >= HIGH_WATER) or (
+            high and _rose(state.waiting, waiting)
+        ):
+            state.factor = max(LOW, state.factor * EASE)
+        elif waiting:  # it already has more than it runs: sending more only adds to its queue
+            state.factor = max(1.0, state.factor - STEP) if state.factor > 1.0 else state.factor
+        elif demand and kv_usage is not None and not high:
+            state.factor = min(HIGH, state.factor + STEP)
+        state.preemptions, state.rejections, state.waiting = preemptions, rejections, waiting
+        return state.factor
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(r, s.factor) for r, s in self._replicas.items()]
+
+
+def _rose(before: float | None, now: float | None) -> bool:
+    """A vLLM figure grew since the last scrape (a cumulative counter that went back was
+    reset by a restart: not a rise)."""
+    return before is not None and now is not None and now > before

@@ -1,0 +1,265 @@
+"""A pool's queue of requests waiting for KV capacity, and what it knows about waiting.
+
+Beside the fair order itself (`kvgate.admission.queue.FairQueue`, pure), each pool keeps what its
+recent requests did — how long they held their blocks, how fast each class took room, how much
+later than estimated they started — and one estimate of when room frees (`time_to_room`), for
+`Retry-After` and for refusing at arrival a request that could not start within its latency
+target; and which queued requests a newcomer may not pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvgate.admission.queue import FairQueue, Ticket
+from kvgate.config import PRIORITY_CLASSES
+from kvgate.fleet.snapshot import TypicalSizes
+
+if TYPE_CHECKING:
+    from kvgate.admission.demand import Demand, Slot
+    from kvgate.config import AdmissionConfig
+    from kvgate.fleet.replicas import Replica
+    from kvgate.routing.ranking import Ranking
+
+# A waiter that has used this share of its wait budget is not passed by smaller requests.
+AGING_SHARE = 0.5
+# How fast the better classes take room, for a request's expected wait, is measured over this.
+CLAIMED_WINDOW_S = 10.0
+# How late requests start against their estimate is learned from at least this many of the
+# last LATENESS_WINDOW_S (older ones expire: if every request is refused for a while, nothing
+# new is learned, and what was learned must not refuse them forever).
+LATENESS_MIN_SAMPLES = 8
+LATENESS_WINDOW_S = 30.0
+
+
+def time_to_room(
+    short: float, reserved: int, backlog: float, running: float, hold_s: float
+) -> float:
+    """Seconds until a replica could take a request that needs `short` blocks more than it
+    has free, while its vLLM holds `backlog` requests more than admission lets it queue: by
+    Little's law a replica holding `reserved` blocks frees reserved / hold_s of them a second,
+    and one running `running` requests starts running / hold_s new ones. Infinite when
+    nothing held there will free the blocks."""
+    blocks = 0.0 if short <= 0 else (hold_s * short / reserved if reserved else math.inf)
+    queue = 0.0 if backlog <= 0 else hold_s * backlog / max(1.0, running)
+    return max(blocks, queue)
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """A queued request: what it needs, how to rank replicas for it, where its slot goes, its
+    latest ranking (for estimates between attempts), the admission config it arrived under
+    (the dispatcher places it by that one, whatever a reload does meanwhile), and its latency
+    target (None: it has none)."""
+
+    demand: Demand
+    rank: Callable[[float], Awaitable[Ranking]]
+    future: asyncio.Future[Slot]
+    ranking: Ranking
+    since: float  # when it arrived (monotonic)
+    config: AdmissionConfig
+    target_s: float | None = None
+    expected_s: float | None = None  # the wait estimated on arrival (with a target)
+    clock: Callable[[], float] = time.monotonic  # the one `since` was read on
+
+    def aged(self, enqueued_at: float, now: float) -> bool:
+        """Nothing passes it any more: it has waited AGING_SHARE of its target, and can still
+        make it; or AGING_SHARE of max_wait_s, as a request without a target (or one that has
+        missed it: holding everyone back for it would only make others miss theirs)."""
+        waited, target = now - enqueued_at, self.target_s
+        if target is not None and AGING_SHARE * target < waited <= target:
+            return True
+        return waited > AGING_SHARE * self.config.queue.max_wait_s
+
+    @property
+    def candidates(self) -> list[Replica]:
+        """The replicas it may take now: those its latest ranking lets it use after the time
+        it has waited (`Ranking.usable`)."""
+        usable = self.ranking.usable(self.clock() - self.since)
+        return [view.replica for view in usable]
+
+
+class RecentSizes:
+    """The last `keep` sizes recorded, kept sorted as well, so that their 95th percentile is
+    read in constant time (every request's fleet snapshot reads it)."""
+
+    __slots__ = ("_order", "_sorted")
+
+    def __init__(self, keep: int = 512) -> None:
+        self._order: deque[int] = deque(maxlen=keep)
+        self._sorted: list[int] = []
+
+    def add(self, size: int) -> None:
+        if len(self._order) == self._order.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._order[0])]
+        self._order.append(size)
+        bisect.insort(self._sorted, size)
+
+    def p95(self) -> int | None:
+        cases = self._sorted
+        return cases[min(len(cases) - 1, int(0.95 * len(cases)))] if cases else None
+
+
+@dataclass(slots=True)
+class PoolQueue:
+    queue: FairQueue = field(default_factory=FairQueue)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # (blocks, seconds held) of the requests that ended here lately
+    holds: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=32))
+    # (when, class rank, blocks) of the requests placed here lately
+    placed: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=1024))
+    # (when, seconds later than estimated) of recent requests with a target, as they started
+    late: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # the blocks recent requests reserved on arrival, on predicted demand (those that were
+    # predicted), and their worst cases (all of them): the sizes headroom is counted in
+    predicted_sizes: RecentSizes = field(default_factory=RecentSizes)
+    worst_sizes: RecentSizes = field(default_factory=RecentSizes)
+
+    def released(self, blocks: int, held_s: float | None, now: float) -> None:
+        """A request gave its blocks back; `held_s`: how long it held them (None: it was
+        placed but never ran, so it says nothing about how long requests hold)."""
+        if held_s is not None:
+            self.holds.append((blocks, held_s))
+
+    def started(self, expected_s: float, waited_s: float, now: float) -> None:
+        """A request estimated to wait `expected_s` was placed after `waited_s`."""
+        self.late.append((now, waited_s - expected_s))
+
+    def lateness_s(self, now: float) -> float:
+        """How much later than estimated requests start here: the 75th percentile of the
+        recent errors (0 with fewer than LATENESS_MIN_SAMPLES; never below 0). What the
+        estimate leaves out — reservations that grow, classes admitted on other limits, holds
+        that lengthen as load rises — is learned from what happened instead."""
+        errors = sorted(e for t, e in self.late if now - t <= LATENESS_WINDOW_S)
+        if len(errors) < LATENESS_MIN_SAMPLES:
+            return 0.0
+        return max(0.0, errors[int(0.75 * (len(errors) - 1))])
+
+    def took(self, priority: str, blocks: int, now: float) -> None:
+        """A request of class `priority` was placed, with `blocks` reserved."""
+        self.placed.append((now, PRIORITY_CLASSES.index(priority), blocks))
+
+    def claimed_per_s(self, priority: str, now: float) -> float:
+        """Blocks a second that requests of a better class than `priority` have been placed
+        with lately: room they will take as it frees, before a request of this class."""
+        rank = PRIORITY_CLASSES.index(priority)
+        claimed = sum(b for t, r, b in self.placed if r < rank and now - t <= CLAIMED_WINDOW_S)
+        return claimed / CLAIMED_WINDOW_S
+
+    def hold_s(self) -> float | None:
+        """How long a reserved block stays reserved, over the recent requests (each weighed
+        by its blocks); None until one has ended. By Little's law, a replica holding R blocks
+        frees about R / hold_s() of them a second."""
+        blocks = sum(b for b, _ in self.holds)
+        if not blocks:
+            return None
+        return sum(b * s for b, s in self.holds) / blocks
+
+    def retry_after(self, ahead: int, reserved: int, max_wait_s: float) -> float:
+        """Seconds until `ahead + 1` requests' worth of blocks free where `reserved` blocks are
+        held (`time_to_room`, at the recent requests' hold and size), from 1 s to max_wait_s;
+        5 s (at most max_wait_s) until a request has ended here."""
+        hold = self.hold_s()
+        if hold is None or not reserved:
+            return max(1.0, min(max_wait_s, 5.0))
+        size = sum(b for b, _ in self.holds) / len(self.holds)
+        wait = time_to_room((ahead + 1) * size, reserved, 0, 0, hold)
+        return min(max(1.0, wait), max(1.0, max_wait_s))
+
+    def arrived(self, demand: Demand, candidates: Sequence[Replica]) -> None:
+        """Record the sizes of a request as it asks for admission (on the largest block size
+        among the replicas it may take)."""
+        self.worst_sizes.add(max(demand.worst_blocks_on(r) for r in candidates))
+        if demand.predicted:
+            self.predicted_sizes.add(max(demand.blocks_on(r) for r in candidates))
+
+    def typical_sizes(self) -> TypicalSizes:
+        """The 95th percentile of recent requests' sizes, per basis."""
+        return TypicalSizes(self.predicted_sizes.p95(), self.worst_sizes.p95())
+
+    def ahead_of(
+        self,
+        demand: Demand,
+        candidates: Sequence[Replica],
+        upto: Ticket | None = None,
+        room: int | None = None,
+        now: float = 0.0,
+    ) -> list[Ticket]:
+        """The queued requests, ahead in service order (up to `upto`), that want one of these
+        replicas and will start before this demand: every one of a better class; of its own
+        class, with `room` given, all but those it can pass — a larger one that does not fit
+        in `room` and has not aged (one no larger gets the room first, as it frees)."""
+        if not len(self.queue):  # the usual case: nobody waits
+            return []
+        rank = PRIORITY_CLASSES.index(demand.priority)
+        ids = {r.id for r in candidates}
+        own = min((demand.blocks_on(r) for r in candidates), default=0)
+        ahead = []
+        for queued in self.queue:
+            if queued is upto:
+                break
+            waiter: Waiter = queued.payload
+            queued_demand, queued_candidates = waiter.demand, waiter.candidates
+            if waiter.future.done() or queued.rank > rank:
+                continue
+            if not any(r.id in ids for r in queued_candidates):
+                continue
+            if queued.rank == rank and room is not None:
+                need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
+                if need > max(room, own) and not waiter.aged(queued.enqueued_at, now):
+                    continue
+            ahead.append(queued)
+        return ahead
+
+    def expected_wait(
+        self, ticket: Ticket, config: AdmissionConfig, ledger: Mapping[str, int], now: float
+    ) -> float | None:
+        """Seconds until this queued request could start on one of the replicas it may use,
+        after those that start before it: 0 when it may start now; None when nothing says
+        how fast room frees (no request has ended in the pool yet).
+
+        It needs its blocks on one replica: free blocks spread over several do not add up.
+        Those ahead take their blocks where blocks free, in proportion to what each replica
+        holds, and so do the better classes' requests that will arrive meanwhile, at the rate
+        they have lately; how fast blocks free: `time_to_room` (Little's law, on the shared
+        ledger, so every instance's requests count), and on a replica held back for its long
+        vLLM queue, also how long that queue takes to come down. `ledger`: the blocks
+        reserved on each replica, by every instance."""
+        waiter: Waiter = ticket.payload
+        demand = waiter.demand
+        options = [
+            (view, limit) for view in waiter.ranking.usable(math.inf)
+            if (limit := demand.limit_on(view)) is not None
+        ]
+        if not options:
+            return None
+        reserved = [ledger.get(view.id, 0) for view, _ in options]
+        room = [max(0, limit - held) for (_, limit), held in zip(options, reserved, strict=True)]
+        candidates = [view.replica for view, _ in options]
+        ahead = sum(
+            min((queued.payload.demand.blocks_on(r) for r in queued.payload.candidates), default=0)
+            for queued in self.ahead_of(demand, candidates, ticket, sum(room), now)
+        )
+        total = sum(reserved)
+        hold = self.hold_s()
+        if hold is not None and total:
+            # the share of the freeing rate (total / hold) left after the better classes
+            left = 1 - self.claimed_per_s(demand.priority, now) * hold / total
+            hold = hold / left if left > 0 else math.inf
+        waits = []
+        for (view, _), held, free in zip(options, reserved, room, strict=True):
+            share = ahead * held / total if total else ahead / len(options)
+            short = demand.blocks_on(view.replica) - free + share
+            backlog = (view.waiting or 0) - config.max_replica_waiting
+            if short <= 0 and backlog <= 0:
+                return 0.0
+            if hold is not None:
+                waits.append(time_to_room(short, held, backlog, view.running or 0, hold))
+        return min(waits) if waits else None

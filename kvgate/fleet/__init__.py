@@ -1,0 +1,12 @@
+"""The fleet: which replicas there are, whether they are healthy, and one immutable snapshot
+of them that routing, admission, the gauges and the admin view all read.
+
+    replicas.py   membership (static or DNS): the registry and what it knows of each replica
+    scrape.py     each replica's /metrics read and parsed, and its decode clock
+    discovery.py  the background loop that checks and scrapes every replica
+    dns.py        resolving a headless service to replicas
+    health.py     passive health: a circuit breaker per replica
+    drain.py      drain, fleet-wide, through the state store
+    snapshot.py   the immutable picture of the fleet at one moment
+    view.py       the one place that picture is taken, from the replicas, circuits and ledger
+"""

@@ -1,0 +1,189 @@
+"""The replica registry: what kvgate knows about each vLLM replica, and which replicas there
+are (listed in the config, or found by DNS), kept in place across reloads and DNS rounds.
+
+Discovery (`kvgate.fleet.discovery`) keeps each replica's health, models and scraped figures
+(`kvgate.fleet.scrape`) fresh; the request path records what its requests write there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from kvgate.config import ReplicaConfig, secret
+from kvgate.fleet.scrape import DecodeClock, MetricsRead, Scrape
+from kvgate.tools.capacity import DEFAULT_BLOCK_SIZE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Writing:
+    """One in-flight request on a replica, as the written view counts it: `progress()` tokens
+    written so far (prompt + output), of which the first `prefix_tokens` are a prefix
+    (`prefix_key`) that vLLM's cache stores once however many requests share it."""
+
+    progress: Callable[[], int]
+    prefix_key: str | None = None
+    prefix_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Replica:
+    """A replica and what kvgate knows of it. Mutated only by discovery and the request path
+    on the event loop thread."""
+
+    config: ReplicaConfig
+    pool: str
+    healthy: bool = False
+    models: frozenset[str] = frozenset()
+    max_model_lens: dict[str, int] = field(default_factory=dict)
+    scrape: Scrape | None = None
+    last_seen: float = 0.0
+    last_error: str | None = None
+    # request key -> what it has written so far, for this instance's in-flight requests here
+    inflight: dict[str, Writing] = field(default_factory=dict)
+    decode_clock: DecodeClock = field(default_factory=DecodeClock)
+    # a read of /metrics under way for requests that need figures from after they ended
+    reading: MetricsRead | None = None
+    drain_requested: bool = False  # by POST /admin/replicas/{id}/drain (undone by .../undrain)
+    vanished: bool = False  # its DNS name no longer resolves to it: drained, then forgotten
+
+    @property
+    def draining(self) -> bool:
+        return self.config.drain or self.drain_requested or self.vanished
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def api_key(self) -> str | None:
+        return secret(self.config.api_key)
+
+    def fresh_scrape(self, stale_after_s: float, now: float | None = None) -> Scrape | None:
+        now = time.monotonic() if now is None else now
+        if self.scrape is None or now - self.scrape.at > stale_after_s:
+            return None
+        return self.scrape
+
+    @property
+    def block_size(self) -> int | None:
+        if self.config.block_size is not None:
+            return self.config.block_size
+        return self.scrape.block_size if self.scrape else None
+
+    @property
+    def kv_block_size(self) -> int:
+        """The block size to count in: the replica's, or vLLM's default until it is known."""
+        return self.block_size or DEFAULT_BLOCK_SIZE
+
+    @property
+    def num_gpu_blocks(self) -> int | None:
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        return self.scrape.num_gpu_blocks if self.scrape else None
+
+    def max_model_len(self, model: str) -> int | None:
+        if self.config.max_model_len is not None:
+            return self.config.max_model_len
+        return self.max_model_lens.get(model)
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def written_blocks(self) -> int:
+        """Blocks this instance's in-flight requests hold here: each its own, and the full
+        blocks of a shared prefix once, as vLLM's prefix cache stores them."""
+        size = self.kv_block_size
+        total = 0
+        shared: dict[str, int] = {}
+        for writing in self.inflight.values():
+            tokens = writing.progress()
+            prefix = min(writing.prefix_tokens, tokens) // size if writing.prefix_key else 0
+            total += math.ceil(tokens / size) - prefix
+            if prefix and writing.prefix_key is not None:
+                shared[writing.prefix_key] = max(shared.get(writing.prefix_key, 0), prefix)
+        return total + sum(shared.values())
+
+
+class Registry:
+    """All replicas by id, with the pool each belongs to: those the config lists and those
+    found by resolving a pool's DNS name. Reconfigured in place on reload and on every DNS
+    round, so that in-flight requests and their replica objects stay valid; a replica that
+    leaves (a reload dropped it, its address stopped resolving) while requests still run there
+    stays, draining, until they finish."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, Replica] = {}
+        self._listed: dict[str, list[ReplicaConfig]] = {}
+        self._found: dict[str, list[ReplicaConfig]] = {}
+
+    def sync(
+        self, pools: Mapping[str, Iterable[ReplicaConfig]], dns: Collection[str] = ()
+    ) -> None:
+        """The config's replicas, per pool, and which pools are found by DNS (a reload): a
+        pool that lost its DNS name loses the replicas found through it."""
+        self._listed = {pool: list(configs) for pool, configs in pools.items()}
+        self._found = {pool: found for pool, found in self._found.items() if pool in dns}
+        self._rebuild()
+
+    def found(self, pool: str, configs: Iterable[ReplicaConfig]) -> None:
+        """The replicas a pool's DNS name resolves to now."""
+        self._found[pool] = list(configs)
+        self._rebuild()
+
+    def prune(self) -> None:
+        """Forget replicas that left once their last request has finished."""
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        wanted: dict[str, Replica] = {}
+        listed_ids = {c.id for listed in self._listed.values() for c in listed}
+        for pool, listed in self._listed.items():
+            found = [c for c in self._found.get(pool, []) if c.id not in listed_ids]
+            for config in [*listed, *found]:  # a listed replica's settings win over DNS
+                current = self._replicas.get(config.id)
+                if current is not None and current.url == config.url:
+                    current.config, current.pool, current.vanished = config, pool, False
+                    wanted[config.id] = current
+                elif config.id not in wanted:
+                    wanted[config.id] = Replica(config=config, pool=pool)
+        for replica_id, replica in self._replicas.items():
+            if replica_id not in wanted and replica.inflight:
+                if not replica.vanished:
+                    log.warning("replica %s left with requests in flight: draining", replica_id)
+                replica.vanished = True
+                wanted[replica_id] = replica
+        self._replicas = wanted
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def in_pool(self, pool: str) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.pool == pool]
+
+    def models(self) -> dict[str, int | None]:
+        """Every model a healthy replica serves, with the smallest max_model_len reported."""
+        out: dict[str, int | None] = {}
+        for replica in self._replicas.values():
+            if not replica.healthy:
+                continue
+            for model in replica.models:
+                length = replica.max_model_len(model)
+                known = out.get(model)
+                out[model] = length if known is None else min(known, length or known)
+        return out

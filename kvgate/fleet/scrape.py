@@ -1,0 +1,190 @@
+"""Reading a replica's vLLM figures: its /metrics scraped and parsed into a `Scrape`, and the
+`DecodeClock` that turns vLLM's generation-token counter into each sequence's output so far.
+
+/metrics is read by discovery (`kvgate.fleet.discovery`) and once more when the last of this
+instance's requests on a replica ends, or before a whole answer that ended unseen (its client
+left, or kvgate stopped waiting) is charged (`metrics_read_after`): within the discovery
+timeout, after the answer's fate is sealed. A slow or failing read leaves the figures to age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from kvgate.fleet.replicas import Replica
+
+log = logging.getLogger(__name__)
+
+# Current name first; older vLLM versions use the second.
+_ALIASES = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:gpu_prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:gpu_prefix_cache_hits": "prefix_hits",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:admission_rejections": "admission_rejections",  # vLLM 0.33+, summed over reasons
+}
+
+
+@dataclass(slots=True)
+class Scrape:
+    """One reading of a replica's vLLM metrics (sums over data-parallel engines)."""
+
+    at: float
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    generation_tokens: float | None = None
+    admission_rejections: float | None = None  # requests its queue limits refused (503)
+
+
+class DecodeClock:
+    """Output tokens one sequence on a replica has produced since kvgate began watching it:
+    vLLM's generation-token counter divided among its running sequences, summed over
+    successive scrapes of /metrics, extrapolated between them. A non-streamed request, whose
+    tokens kvgate does not see until the answer, has produced what the clock advanced since it
+    reached the replica (within its max_tokens): the replica's own count over this request's
+    life, which follows its load and its pace as they change, where a pace taken from earlier
+    requests would not. With one sequence running it is that sequence's exact count."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0  # at the last scrape
+        self.rate: float | None = None  # per sequence, tokens/s, from the last two scrapes
+        self._at: float | None = None
+        self._generated: float | None = None
+        self._idle = False  # the last scrape saw no sequence running
+        self._high = 0.0  # the highest reading `now` gave: a clock never runs back
+
+    def observe(self, scrape: Scrape) -> None:
+        """Take in a scrape; one older than the last taken (a slower read of the same
+        replica) is left out."""
+        generated, running = scrape.generation_tokens, scrape.running
+        if generated is None or (self._at is not None and scrape.at <= self._at):
+            return
+        if self._at is not None and self._generated is not None:
+            step = generated - self._generated
+            if step >= 0:  # less: the replica restarted
+                per_sequence = step / max(1.0, running or 0.0)
+                self.rate = per_sequence / (scrape.at - self._at)
+                self.tokens += per_sequence
+        self._at, self._generated, self._idle = scrape.at, generated, running == 0
+
+    def reading(self, at: float | None = None) -> float | None:
+        """The clock at `at` (default: now), extrapolated from the last scrape at the last
+        rate while the last scrape saw a sequence running (none running: it holds still);
+        None until two scrapes have been seen. Read at a scrape, it is that scrape's count."""
+        if self.rate is None or self._at is None:
+            return None
+        at = time.monotonic() if at is None else at
+        if self._idle:
+            return self.tokens
+        return self.tokens + self.rate * max(0.0, at - self._at)
+
+    def now(self, at: float | None = None) -> float | None:
+        """`reading`, but never less than a reading given before: extrapolating at the last
+        rate can run ahead of what the next scrape integrates (the rate fell, the replica
+        restarted), and then the clock holds still until the integral catches up rather than
+        running back (what a request has written never shrinks)."""
+        reading = self.reading(at)
+        if reading is None:
+            return None
+        self._high = max(self._high, reading)
+        return self._high
+
+
+def parse_vllm_metrics(text: str, at: float) -> Scrape:
+    scrape = Scrape(at=at)
+    sums: dict[str, float] = {}
+    usage: list[float] = []
+    blocks = 0
+    block_size = None
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                n = sample.labels.get("num_gpu_blocks", "None")
+                if n.isdigit():
+                    blocks += int(n)
+                size = sample.labels.get("block_size", "")
+                if size.isdigit():
+                    block_size = int(size)
+            continue
+        kind = _ALIASES.get(family.name)
+        if kind is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            if kind == "kv_usage":
+                usage.append(sample.value)
+            else:
+                sums[kind] = sums.get(kind, 0.0) + sample.value
+    scrape.num_gpu_blocks = blocks or None
+    scrape.block_size = block_size
+    scrape.kv_usage = sum(usage) / len(usage) if usage else None
+    for kind, value in sums.items():
+        setattr(scrape, kind, value)
+    return scrape
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsRead:
+    """One read of a replica's /metrics under way: when it was sent, and its task."""
+
+    sent_at: float
+    task: asyncio.Task[bool]
+
+
+async def read_metrics(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:
+    """Read the replica's /metrics into its scrape and its decode clock; False when it could
+    not be read (then its figures age, and turn unknown once stale)."""
+    try:
+        async with session.get(
+            f"{replica.url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return False
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:  # RuntimeError: closed
+        log.debug("replica %s: /metrics not read: %s", replica.id, exc or type(exc).__name__)
+        return False
+    try:
+        scrape = await asyncio.to_thread(parse_vllm_metrics, text, time.monotonic())
+    except ValueError as exc:
+        log.warning("replica %s: unreadable /metrics: %s", replica.id, exc)
+        return False
+    if replica.scrape is None or scrape.at > replica.scrape.at:  # reads may overlap
+        replica.scrape = scrape
+    replica.decode_clock.observe(scrape)
+    return True
+
+
+def metrics_read_after(
+    session: aiohttp.ClientSession, replica: Replica, moment: float, timeout_s: float
+) -> asyncio.Task[bool]:
+    """A read of the replica's /metrics sent after `moment` (say, when a request ended there):
+    the one under way since then, or a new one, so that requests that end together share it.
+    Await it (shielded: others share it) for figures that cover what happened until `moment`;
+    it is False when /metrics could not be read."""
+    pending = replica.reading
+    if pending is None or pending.sent_at < moment:
+        task = asyncio.ensure_future(read_metrics(session, replica, timeout_s))
+        pending = replica.reading = MetricsRead(time.monotonic(), task)
+    return pending.task

@@ -1,0 +1,134 @@
+"""The upstream call as one method, and the values it takes and gives.
+
+    Transport.send(UpstreamRequest) -> UpstreamResponse
+
+`send` returns once the replica's response headers arrived (the body is read by the caller
+through the response), or raises a `KvgateError` if the replica never answered: the HTTP
+transport (`kvgate.transport.http`) does the call; the breaker (`kvgate.transport.breaker`)
+wraps it to judge each attempt. Neither value holds an aiohttp request or response object,
+so that the policy stages could forward through another data plane.
+
+Each attempt at a replica has its `Outcome`, the record of what happened on the wire: the
+transport fills in when it was sent and how it answered, the relay what it relayed; the
+gateway settles and the breaker judges by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from multidict import CIMultiDict
+
+from kvgate.config import TimeoutsConfig
+from kvgate.fleet.replicas import Replica
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+        "Accept-Encoding", "Content-Encoding",
+    )
+)
+# Client headers that only concern kvgate and are never sent on.
+PRIVATE = frozenset({"x-tenant-id"})
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened on the wire in one attempt, for settling, the breaker and metrics."""
+
+    status: int = 0
+    usage: Usage | None = None
+    streamed_tokens: int = 0  # content chunks relayed (≈ tokens; vLLM sends one per token)
+    replica: Replica | None = None  # where it went
+    sent_at: float | None = None  # when the request went to the replica
+    decode_start: float | None = None  # the replica's decode clock then (tokens per sequence)
+    ended_at: float | None = None  # when kvgate was done with the replica's connection
+    first_token_at: float | None = None
+    done: bool = False  # the client was sent the whole answer ([DONE], or the full body)
+    client_disconnected: bool = False
+    upstream_failed: bool = False
+    unreachable: bool = False  # the request never got to the replica (connection failed)
+    timed_out: bool = False  # no response headers within first_byte_s
+    busy: str | None = None  # vLLM's queue limits refused it (their reason): not a failure
+
+    def completion_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage else self.streamed_tokens
+
+    def caused_no_work(self, stream: bool) -> bool:
+        """The replica processed nothing the tenant caused: the request was never sent, never
+        reached it (the connection failed), was refused by it, or was a stream that never
+        began (vLLM sends a stream's headers at once, so it was not working on it)."""
+        return (
+            self.sent_at is None
+            or self.unreachable
+            or self.status >= 400
+            or (self.upstream_failed and self.status == 0 and stream)
+        )
+
+
+@dataclass(slots=True)
+class UpstreamRequest:
+    """One attempt's request to one replica. `attempt` is filled in as the attempt goes, so
+    that a caller cancelled midway still knows what was sent and streamed."""
+
+    replica: Replica
+    path: str  # the endpoint's, e.g. /v1/chat/completions
+    body: bytes  # the client's bytes, or its body as kvgate edited it
+    headers: Mapping[str, str]
+    timeouts: TimeoutsConfig
+    stream: bool
+    holder: str  # the request's key: whose verdict a half-open circuit waits for
+    attempt: Outcome = field(default_factory=Outcome)
+
+
+@dataclass(slots=True)
+class UpstreamResponse:
+    """The replica's answer, its headers arrived. Its body is read with `read` (whole) or
+    `readany` (the next chunk; b"" at its end); `aclose` gives the connection back and is
+    called exactly once, when the caller is done with the body, on every ending."""
+
+    request: UpstreamRequest
+    status: int
+    deadline: float  # time.monotonic() by which the whole answer must be in (timeouts.total_s)
+    read: Callable[[], Awaitable[bytes]]
+    readany: Callable[[], Awaitable[bytes]]
+    aclose: Callable[[], Awaitable[None]]
+
+
+class Transport(Protocol):
+    """Sends one request to its replica. Returns once the response headers arrived; raises
+    `UpstreamError` / `UpstreamTimeout` (with `request.attempt` saying which: unreachable,
+    timed out) if they never did. Called once per attempt, on the event loop."""
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse: ...
+
+
+def upstream_headers(
+    incoming: Mapping[str, str], request_id: str, replica: Replica, *, drop_authorization: bool
+) -> CIMultiDict[str]:
+    """The client's headers as sent on: no hop-by-hop or kvgate-only ones, the replica's own
+    API key instead of the client's (or no Authorization where kvgate authenticates)."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lowered = name.lower()
+        if lowered in HOP_BY_HOP or lowered in PRIVATE:
+            continue
+        if lowered == "authorization" and (drop_authorization or replica.api_key):
+            continue
+        headers.add(name, value)
+    if replica.api_key:
+        headers["Authorization"] = f"Bearer {replica.api_key}"
+    headers["X-Request-Id"] = request_id
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"  # SSE is relayed and inspected as it arrives
+    return headers

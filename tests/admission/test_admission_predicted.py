@@ -1,0 +1,467 @@
+"""Admission on predicted demand: reservations that grow with their answers, a queue without
+head-of-line blocking, and waiting: for room up to max_wait_s, or — where a latency target is
+set — refused at arrival when a request could not start within it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
+from kvgate.admission.leases import LeaseKeeper
+from kvgate.admission.stage import Admission
+from kvgate.admission.waiting import LATENESS_WINDOW_S, PoolQueue
+from kvgate.config import AdmissionConfig, QueueConfig
+from kvgate.errors import RateLimited
+from kvgate.fleet.view import FleetView
+from kvgate.metrics import Metrics
+from kvgate.state.memory import MemoryStore
+from tests.admission.test_admission import admit, replica, whole
+from tests.plugins.clock import ManualClock
+from tests.plugins.waiting import eventually
+from tests.routing.fleets import in_order
+
+
+def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "standard") -> Demand:
+    """A demand with no prompt whose reservation stays `reserve` tokens ahead of its answer."""
+    return Demand("p", "m", worst, tenant, priority, ahead_tokens=reserve)
+
+
+class Gate:
+    """Admission on a memory store; on `clock` where a test moves the queue's time itself."""
+
+    def __init__(
+        self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store = MemoryStore()
+        self.config = config
+        current = whole(config)
+        self.admission = Admission(self.store, Metrics(), lambda: current,
+                                   LeaseKeeper(self.store, lambda: current), clock=clock)
+
+    async def held(self, r) -> int:
+        return await self.store.held(ledger_key(r.id))
+
+
+@pytest.fixture
+async def gate() -> AsyncIterator[Gate]:
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=5, ttft_target_s={"standard": 5})))
+    tasks = [asyncio.create_task(g.admission.dispatch("p")),
+             asyncio.create_task(g.admission.ledger.grow())]
+    yield g
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_reservation_stays_its_lookahead_ahead_of_the_answer_and_never_past_the_worst_case():
+    r = replica("a")
+    written = [100]
+    slot = Slot(r, "l", blocks=10, worst_blocks=40, progress=lambda: written[0], ahead=64)
+    assert growth_target(slot) is None  # 100 written of 160 held: 60 ahead, more than 64 / 2
+    written[0] = 130  # 30 ahead: within half the lookahead of the end
+    assert growth_target(slot) == 13  # a full lookahead ahead again: (130 + 64) / 16, rounded up
+    written[0] = 2000
+    assert growth_target(slot) == 40
+
+
+async def test_predicted_demand_reserves_the_likely_answer_and_grows_with_it(gate):
+    r = replica("a", blocks=100)
+    written = [0]
+    async with admit(gate, predicted(16 * 10, 16 * 60), r) as slot:
+        assert await gate.held(r) == 10 and slot.worst_blocks == 60
+        slot.progress = lambda: written[0]
+        written[0] = 16 * 10  # the answer outran its prediction
+
+        async def grown() -> bool:
+            return await gate.held(r) > 10
+
+        await eventually(grown, timeout_s=1, what="the slot grown")
+        assert 10 < await gate.held(r) <= 60
+        assert slot.blocks == await gate.held(r)
+    assert await gate.held(r) == 0
+
+
+async def test_predicted_reservations_let_more_requests_in_than_worst_cases(gate):
+    r = replica("a", blocks=100)
+    async with contextlib_stack(gate, r, [predicted(16 * 10, 16 * 60)] * 9) as slots:
+        assert len(slots) == 9 and await gate.held(r) == 90
+    worst = Demand("p", "m", 16 * 60, "t", "standard")
+    async with admit(gate, worst, r):
+        with pytest.raises(TimeoutError):  # a second worst case waits: 120 > 100 blocks
+            async with asyncio.timeout(0.3):
+                async with admit(gate, worst, r):
+                    pass
+
+
+async def test_a_request_that_fits_nowhere_yet_does_not_hold_back_smaller_ones(gate):
+    r = replica("a", blocks=100)
+    async with admit(gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
+        big = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "t", "standard"), r))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):  # passes the big one waiting at the head
+            async with admit(gate, Demand("p", "m", 16 * 30, "u", "standard"), r):
+                assert await gate.held(r) == 90
+        assert not big.done()
+    assert await big == 50  # and the big one still gets in once there is room
+
+
+async def refused_behind_a_slow_pool(queue: QueueConfig) -> RateLimited:
+    """A 50-block request behind 90 held of 100, in a pool whose requests hold a block 9 s
+    (90 held free 10 blocks a second), under `queue`: the refusal it gets."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=queue))
+    r = replica("a", blocks=100)
+    pool = g.admission.pool("p")
+    for _ in range(4):
+        pool.released(10, 9.0, time.monotonic())
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        with pytest.raises(RateLimited) as refused:
+            async with asyncio.timeout(queue.max_wait_s + 5), admit(
+                g, Demand("p", "m", 16 * 50, "t", "standard"), r
+            ):
+                pass
+    return refused.value
+
+
+async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once():
+    refused = await refused_behind_a_slow_pool(
+        QueueConfig(max_wait_s=30, ttft_target_s={"standard": 1})
+    )
+    assert refused.code == "wait_budget_exceeded"  # at arrival: a wait would end queue_timeout
+    # 50 blocks needed, 10 free, 10 freed per second: about 4 s
+    assert 3 <= refused.retry_after_s <= 6
+
+
+async def enter(gate: Gate, demand: Demand, r) -> int:
+    async with admit(gate, demand, r):
+        return await gate.held(r)
+
+
+class contextlib_stack:
+    """Admit every demand and hold them all until the block ends."""
+
+    def __init__(self, gate: Gate, r, demands: list[Demand]) -> None:
+        self.gate, self.r, self.demands = gate, r, demands
+        self.contexts: list = []
+
+    async def __aenter__(self) -> list[Slot]:
+        slots = []
+        for demand in self.demands:
+            admission = self.gate.admission
+            context = admission.admit(demand, in_order(admission, [self.r]), self.gate.config)
+            slots.append(await context.__aenter__())
+            self.contexts.append(context)
+        return slots
+
+    async def __aexit__(self, *exc: object) -> None:
+        for context in reversed(self.contexts):
+            await context.__aexit__(None, None, None)
+
+
+async def test_a_request_never_reserves_less_than_nothing_when_a_larger_prefix_is_shared(gate):
+    r = replica("a", blocks=200)
+    big_prefix = Demand("p", "m", 16 * 80, "t", "standard", prefix_key="m:sys",
+                        prefix_tokens=16 * 70)
+    small = Demand("p", "m", 16 * 10, "t", "standard", prefix_key="m:sys", prefix_tokens=16 * 9)
+    async with admit(gate, big_prefix, r):
+        held = await gate.held(r)
+        async with admit(gate, small, r) as slot:
+            assert slot.blocks >= 0 and slot.shared is None  # no credit from a larger prefix
+            assert await gate.held(r) == held + 10
+
+
+async def test_a_waiting_critical_request_is_not_passed_by_standard_ones(gate):
+    r = replica("a", blocks=100)
+    async with admit(gate, Demand("p", "m", 16 * 80, "t", "standard"), r) as first:
+        critical = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "vip", "critical"), r))
+        await asyncio.sleep(0.05)
+        small = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), r))
+        await asyncio.sleep(0.2)
+        assert not small.done()  # 10 blocks are free, but the critical request waits for them
+        assert first.blocks == 80
+    assert await critical in (50, 60)  # it got its 50 first; the small one may follow at once
+    await small
+
+
+async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_replica(gate):
+    full, idle = replica("full", blocks=100), replica("idle", blocks=100)
+    async with admit(gate, Demand("p", "m", 16 * 95, "t", "standard"), full):
+        stuck = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), full))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):
+            assert await enter(gate, Demand("p", "m", 16 * 20, "u", "standard"), idle) == 20
+        assert not stuck.done()
+    await stuck
+
+
+@pytest.fixture
+async def slow_gate() -> AsyncIterator[Gate]:
+    """A 1-second standard target on a pool whose requests hold a block 60 s (and a long
+    max_wait_s, so that a request without a target is not refused for outwaiting it)."""
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=600, ttft_target_s={"standard": 1})))
+    task = asyncio.create_task(g.admission.dispatch("p"))
+    pool = g.admission.pool("p")
+    for _ in range(4):
+        pool.released(1, 60.0, time.monotonic())
+    yield g
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_no_early_refusal_while_the_request_could_start_now(slow_gate):
+    r = replica("a", blocks=100)
+    async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
+        # a large request of the same class waits for 80 blocks; a small one fits in the
+        # 40 free and may pass it: it is not refused for the large one's wait
+        large = asyncio.create_task(enter(slow_gate, Demand("p", "m", 16 * 80, "u", "standard"), r))
+        await asyncio.sleep(0.05)
+        async with asyncio.timeout(1):
+            assert await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r) == 62
+        large.cancel()
+        await asyncio.gather(large, return_exceptions=True)
+
+
+async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_not_left_to_wait(
+    slow_gate,
+):
+    r = replica("a", blocks=100)
+    async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
+        critical = asyncio.create_task(
+            enter(slow_gate, Demand("p", "m", 16 * 80, "vip", "critical"), r))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RateLimited) as refused:
+            await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r)
+        assert refused.value.code == "wait_budget_exceeded"
+        critical.cancel()
+        await asyncio.gather(critical, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def dispatching(gate: Gate) -> AsyncIterator[Gate]:
+    """The gate with its pool's dispatcher serving the queue."""
+    task = asyncio.create_task(gate.admission.dispatch("p"))
+    try:
+        yield gate
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def elapse(gate: Gate, clock: ManualClock, seconds: float) -> None:
+    """Move the queue's time on by `seconds`, and let the dispatcher make a pass at the new
+    time."""
+    clock.advance(seconds)
+    gate.admission.wake_all()
+    await asyncio.sleep(0.05)
+
+
+def long_holds(gate: Gate, seconds: float = 60.0) -> None:
+    """The pool's requests have held their blocks `seconds` each: room frees slowly."""
+    pool = gate.admission.pool("p")
+    for _ in range(4):
+        pool.released(10, seconds, time.monotonic())
+
+
+async def test_without_a_latency_target_a_request_waits_for_room_however_long_it_takes():
+    g = Gate(AdmissionConfig(target_utilization=1.0))  # nothing configured: no target
+    long_holds(g)
+    r = replica("a", blocks=100)
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+            waiting = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # expected to wait minutes, yet not refused
+        assert await waiting == 50
+
+
+async def test_free_blocks_spread_over_replicas_do_not_count_as_room_for_one_request():
+    """Two replicas with 40 free blocks each: 80 in all, but a 50-block request fits on
+    neither. With a 1 s target and requests holding their blocks a minute, it is refused at
+    arrival, with the wait until one replica frees 10 more blocks as Retry-After."""
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(ttft_target_s={"standard": 1})))
+    long_holds(g)
+    a, b = replica("a", blocks=100), replica("b", blocks=100)
+    async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), a), \
+            admit(g, Demand("p", "m", 16 * 60, "t", "standard"), b):
+        with pytest.raises(RateLimited) as refused:
+            async with admit(g, Demand("p", "m", 16 * 50, "t", "standard"), a, b):
+                pass
+    assert refused.value.code == "wait_budget_exceeded"
+    # 60 held on a replica free 1 block a second: 10 more take about 10 s
+    assert 8 <= refused.value.retry_after_s <= 12
+
+
+async def test_a_request_let_in_waits_past_its_target_rather_than_being_refused_late():
+    """Nothing has ended in the pool yet, so nothing says it would miss its 0.1 s target: it
+    is let in, and once in, it waits for room up to max_wait_s."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        max_wait_s=30, ttft_target_s={"standard": 0.1})), clock)
+    r = replica("a", blocks=100)
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+            waiting = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+            await asyncio.sleep(0.05)  # queued
+            await elapse(g, clock, 0.3)
+            assert not waiting.done()
+        assert await waiting == 50
+
+
+async def test_a_tenants_latency_target_wins_over_its_class():
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        ttft_target_s={"standard": 100})))
+    long_holds(g)
+    r = replica("a", blocks=100)
+    admission = g.admission
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        with pytest.raises(RateLimited) as refused:
+            async with admission.admit(Demand("p", "m", 16 * 50, "fast", "standard"),
+                                       in_order(admission, [r]), g.config, tenant_target_s=1.0):
+                pass
+    assert refused.value.code == "wait_budget_exceeded"
+    assert "latency target of 1s" in refused.value.message
+
+
+async def test_with_no_target_a_large_request_stops_being_passed_after_half_of_max_wait():
+    """Queue aging runs on max_wait_s where no target is set: passed while young, the large
+    request holds the replica for itself once it has waited half of it."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1.0)), clock)
+    r = replica("a", blocks=100)
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
+            large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+            await asyncio.sleep(0.05)
+            assert await enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r) == 70  # passes
+            await elapse(g, clock, 0.55)  # the large one has aged
+            small = asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r))
+            await asyncio.sleep(0.15)
+            assert not small.done()  # 40 blocks are free, but it may not pass any more
+        assert await large in (50, 60)
+        await small
+
+
+async def test_a_request_of_the_same_size_queued_ahead_is_counted_when_nothing_fits_yet():
+    """Two 50-block requests wait for one replica that frees 10 blocks a second: the first
+    could start in about 4 s, within a 6 s target; the second only after it, in about 9 s."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        ttft_target_s={"standard": 6})))
+    long_holds(g, seconds=9.0)  # 90 held blocks free 10 a second
+    r = replica("a", blocks=100)
+    async with dispatching(g), admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        first = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RateLimited) as refused:
+            async with asyncio.timeout(2):  # refused at once, not let in to wait
+                await enter(g, Demand("p", "m", 16 * 50, "u", "standard"), r)
+        assert not first.done()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    assert refused.value.code == "wait_budget_exceeded"
+    assert 8 <= refused.value.retry_after_s <= 10
+
+
+async def test_the_room_a_better_class_keeps_taking_is_not_counted_as_freeing_for_a_lower_one():
+    """The critical class has been placed with 5 blocks a second: half of the 10 a second the
+    replica frees. A standard request short of 40 blocks waits about 8 s, not 4, and misses a
+    6 s target; a critical one of the same size does not."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        ttft_target_s={"standard": 6, "critical": 6})))
+    long_holds(g, seconds=9.0)
+    pool = g.admission.pool("p")
+    for _ in range(10):  # 50 blocks over the last 10 s
+        pool.took("critical", 5, time.monotonic())
+    r = replica("a", blocks=100)
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        with pytest.raises(RateLimited) as refused:
+            async with asyncio.timeout(2):  # refused at once, not let in to wait
+                await enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r)
+        assert 7 <= refused.value.retry_after_s <= 9
+        vip = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "vip", "critical"), r))
+        await asyncio.sleep(0.1)
+        assert not vip.done()  # let in: it waits for its room
+        vip.cancel()
+        await asyncio.gather(vip, return_exceptions=True)
+
+
+async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
+    """Aged at half its 0.4 s target, a large request holds its replica for itself while it can
+    still make the target; once past it, it waits as one without a target would (aging again
+    at half of max_wait_s), and smaller requests pass it meanwhile."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        max_wait_s=30, ttft_target_s={"standard": 0.4})), clock)  # nothing ended yet: let in
+    r = replica("a", blocks=100)
+    async with dispatching(g), admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
+        large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+        await asyncio.sleep(0.05)  # queued
+        await elapse(g, clock, 0.25)  # aged, within its target
+        held_back = asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r))
+        await asyncio.sleep(0.05)
+        assert not held_back.done()
+        await elapse(g, clock, 0.3)  # past its target: the small one passes
+        async with asyncio.timeout(1):
+            assert await held_back == 70
+        assert not large.done()
+        large.cancel()
+        await asyncio.gather(large, return_exceptions=True)
+
+
+def test_how_late_requests_start_against_their_estimate_is_learned_and_forgotten():
+    pool = PoolQueue()
+    now = time.monotonic()
+    for late in (0.5, 1.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0):
+        pool.started(0.2, 0.2 + late, now)
+    assert pool.lateness_s(now) == 3.0  # the 75th percentile
+    assert pool.lateness_s(now + LATENESS_WINDOW_S + 1) == 0.0  # nothing learned lately
+    early = PoolQueue()
+    for _ in range(8):
+        early.started(2.0, 0.5, now)
+    assert early.lateness_s(now) == 0.0  # starting early never shortens an estimate
+
+
+async def test_a_request_is_refused_when_requests_like_it_have_been_starting_later_than_estimated():
+    """Estimated at 4 s against a 6 s target it would be let in; but requests here have been
+    starting 3 s later than their estimates: 7 s is past the target."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        ttft_target_s={"standard": 6})))
+    long_holds(g, seconds=9.0)  # 90 held free 10 blocks a second
+    pool = g.admission.pool("p")
+    for _ in range(8):
+        pool.started(1.0, 4.0, time.monotonic())
+    r = replica("a", blocks=100)
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        with pytest.raises(RateLimited) as refused:
+            async with asyncio.timeout(2):
+                await enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r)
+    assert refused.value.code == "wait_budget_exceeded"
+    assert 6 <= refused.value.retry_after_s <= 8
+
+
+async def test_headroom_is_told_at_predicted_demand_and_at_the_worst_case():
+    """DESIGN.md example 3 on a 1,000-block replica at target 0.9 (900 admissible), 270 blocks
+    held by short answers, recent requests of 512 prompt tokens and max_tokens 8,192: their
+    worst case (544 blocks) fits once more, their predicted reservation (prompt + a 64-token
+    lookahead: 36 blocks) 17 times more. Both figures come from the one fleet snapshot."""
+    g = Gate(AdmissionConfig(target_utilization=0.9))
+    r = replica("a", blocks=1000)
+    recent = Demand("p", "m", 512 + 8192, "t", "standard", ahead_tokens=64, prompt_tokens=512)
+    for _ in range(40):
+        async with admit(g, recent, r):
+            pass
+    short = Demand("p", "m", 16 * 27, "t", "standard")  # a worst case of 27 blocks
+    async with contextlib_stack(g, r, [short] * 10):
+        assert await g.held(r) == 270
+        (view,) = FleetView([r], g.admission).take(g.admission.current())
+        assert view.headroom_blocks("worst_case") == 900 - 270
+        assert view.headroom_requests("worst_case") == (900 - 270) // 544 == 1
+        assert view.overcommit == 1.0
+        assert view.headroom_blocks("predicted") == 900 - 270
+        assert view.headroom_requests("predicted") == (900 - 270) // 36 == 17

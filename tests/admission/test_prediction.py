@@ -1,0 +1,55 @@
+"""The overcommit controller: pure, fed values, no clock (the length model: test_lengths)."""
+
+from __future__ import annotations
+
+from kvgate.admission.overcommit import HIGH, LOW, Overcommit
+
+
+def test_overcommit_grows_while_there_is_room_and_demand_and_backs_off_on_preemption():
+    controller = Overcommit()
+    assert controller.factor("r") == 1.0
+    for _ in range(5):
+        controller.observe("r", preemptions=0, kv_usage=0.4, demand=True)
+    assert controller.factor("r") > 1.2
+    before = controller.factor("r")
+    controller.observe("r", preemptions=3, kv_usage=0.4, demand=True)
+    assert controller.factor("r") == before * 0.7
+    controller.observe("r", preemptions=3, kv_usage=0.4, demand=False)  # no demand: holds
+    assert controller.factor("r") == before * 0.7
+
+
+def test_overcommit_stays_within_bounds_and_needs_room_to_grow():
+    controller = Overcommit()
+    for i in range(100):
+        controller.observe("r", preemptions=float(i), kv_usage=0.2, demand=True)
+    assert controller.factor("r") == LOW
+    full = Overcommit()
+    for _ in range(100):  # above the room mark, below the high-water mark: it holds
+        full.observe("r", preemptions=0, kv_usage=0.9, demand=True)
+    assert full.factor("r") == 1.0
+    free = Overcommit()
+    for _ in range(100):
+        free.observe("r", preemptions=0, kv_usage=0.1, demand=True)
+    assert free.factor("r") == HIGH
+
+
+def test_overcommit_stops_growing_and_shrinks_back_while_the_replica_queues_work_itself():
+    controller = Overcommit()
+    for _ in range(5):
+        controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, waiting=0)
+    grown = controller.factor("r")
+    assert grown > 1.2
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, waiting=6)
+    assert 1.0 <= controller.factor("r") < grown
+
+
+def test_overcommit_backs_off_when_the_replicas_own_queue_limits_refuse_work():
+    controller = Overcommit()
+    for _ in range(5):
+        controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=2)
+    grown = controller.factor("r")
+    assert grown > 1.2  # refusals counted before, none new: it grows
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=5)
+    assert controller.factor("r") == grown * 0.7
+    controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=0)  # restarted
+    assert controller.factor("r") > grown * 0.7

@@ -1,0 +1,136 @@
+"""A model's own chat template, rendered as transformers renders it, counts prompts exactly.
+
+The tokenizer here is a real Hugging Face BPE tokenizer trained in the test, with ChatML's
+markers as single special tokens; the template is a ChatML template with tools and a
+`chat_template_kwargs` switch, in a tokenizer_config.json beside the tokenizer.json, as a
+model repository ships them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvgate.config import parse_config
+from kvgate.request.calibration import Terms
+from kvgate.request.catalog import Catalog
+from kvgate.request.chat_template import find_template, load_template
+from kvgate.request.parsed import Endpoint, parse_body
+from kvgate.request.tokens import PromptCounter, TokenizerError, load_tokenizer
+
+TEMPLATE = (
+    "{%- if messages[0].role == 'assistant' -%}"
+    "{{ raise_exception('a conversation cannot start with the assistant') }}"
+    "{%- endif -%}"
+    "{%- if tools -%}{{- '<|im_start|>system\\n# Tools\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Météo du jour",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = [
+        "You are a helpful assistant. Answer briefly.",
+        "What is the weather in Paris today? Météo du jour: 東京 は 晴れ 🌤️",
+        "def add(a, b):\n    return a + b\n",
+        "system user assistant tool # Tools type function name parameters object",
+    ] * 20
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    directory = tmp_path_factory.mktemp("model")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": TEMPLATE, "eos_token": "<|im_end|>",
+        "bos_token": None, "pad_token": {"content": "<|endoftext|>", "special": True},
+    }))
+    return directory
+
+
+def test_the_template_renders_chatml_with_tools_first(model_dir: Path):
+    template = load_template(model_dir / "tokenizer_config.json")
+    text = template.render([{"role": "user", "content": "hi"}], TOOLS)
+    tool_json = json.dumps(TOOLS[0], ensure_ascii=False)
+    assert text == (
+        f"<|im_start|>system\n# Tools\n{tool_json}\n<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert template.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+
+
+async def test_a_chat_is_counted_exactly_as_the_rendered_prompt_tokenizes(model_dir: Path):
+    tokenizer = load_tokenizer("huggingface", file=model_dir / "tokenizer.json")
+    counter = PromptCounter(tokenizer, template=load_template(model_dir / "tokenizer_config.json"))
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+        {"role": "user", "content": "What is the weather in Paris today? 東京 は 晴れ 🌤️"},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b\n"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    count = await counter.count_chat(messages, TOOLS)
+    rendered = (
+        "<|im_start|>system\n# Tools\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n<|im_end|>\n"
+        + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        + "<|im_start|>assistant\n"
+    )
+    assert count.templated
+    assert count.features.text_tokens == len(tokenizer.encode(rendered))
+    # the markers are single special tokens, not text
+    assert len(tokenizer.encode("<|im_start|><|im_end|>")) == 2
+
+
+async def test_chat_template_kwargs_and_add_generation_prompt_reach_the_template(model_dir: Path):
+    config = parse_config({
+        "pools": {"p": {"replicas": [{"url": "http://r:8000"}]}},
+        "models": [{"name": "m", "tokenizer": {"kind": "huggingface",
+                                               "file": str(model_dir / "tokenizer.json")}}],
+    })
+    catalog = Catalog(config)  # finds tokenizer_config.json beside tokenizer.json
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def tokens(**extra: object) -> int:
+        parsed = parse_body(json.dumps({**base, **extra}).encode(), Endpoint.CHAT)
+        count = await catalog.count(parsed)
+        assert count.templated and catalog.prior("m", Endpoint.CHAT, count) == Terms()
+        return count.features.text_tokens
+
+    plain = await tokens()
+    assert await tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert await tokens(add_generation_prompt=False) < plain
+
+
+async def test_messages_the_template_refuses_fall_back_to_the_calibrated_estimate(model_dir):
+    tokenizer = load_tokenizer("huggingface", file=model_dir / "tokenizer.json")
+    counter = PromptCounter(tokenizer, template=load_template(model_dir / "tokenizer_config.json"))
+    count = await counter.count_chat([{"role": "assistant", "content": "hi"},
+                                      {"role": "user", "content": "hello"}])
+    assert not count.templated and count.features.messages == 2
+
+
+def test_templates_are_found_beside_the_tokenizer_and_bad_ones_fail_at_start(tmp_path, model_dir):
+    assert find_template(model_dir / "tokenizer.json") == model_dir / "tokenizer_config.json"
+    assert find_template(tmp_path / "tokenizer.json") is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+    with pytest.raises(TokenizerError, match="does not compile"):
+        load_template(tmp_path / "tokenizer_config.json")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        load_template(tmp_path / "empty.json")
