@@ -46,7 +46,7 @@ from fleetbench.processes import free_port  # bench/ is on the path when run
 
 from kvgate.commands.demo import start_gateway
 from kvgate.config import parse_config
-from kvgate.replicas import parse_vllm_metrics
+from kvgate.fleet.scrape import parse_vllm_metrics
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 
@@ -128,7 +128,7 @@ async def run_once(
         "pools": {"default": {"replicas": [{"url": s.url, "name": f"r{i}"}
                                            for i, s in enumerate(sims)]}},
         "discovery": {"interval_s": 0.2},
-        "admission": {"queue": {"max_wait_s": 60, "wait_budget_s": {"standard": 60}}},
+        "admission": {"queue": {"max_wait_s": 60}},
     }
     routing = CONTENDERS[contender]
     if routing:

@@ -10,13 +10,17 @@ fast as two cores keep up with), and the load generator's wall clock is divided 
 medians over repeats.
 
 Writes bench/results/fleet-<date>.json (every run and the medians), fleet.md (the table and
-how it was made, for the README), and PNG plots: goodput against load per workload, and the
+how it was made, for docs/benchmarks.md), and PNG plots: goodput against load per workload, and the
 CDF of short requests' TTFT at 2x load.
 
-    .venv/bin/python bench/fleet.py [--quick] [--repeats N] [--workloads mix realistic]
+    .venv/bin/python bench/fleet.py [--quick] [--repeats N]
+        [--workloads mix realistic trace trace-mixed]
         [--loads 0.5 1 2 3] [--contenders direct-rr kvgate-predicted ...]
         [--duration S] [--warmup S] [--ttft-timeout S] [--timeout S] [--time-scale S]
-        [--seed 0] [--out-dir DIR] [--from-json FILE]
+        [--seed 0] [--out-dir DIR] [--from-json FILE] [--ab TREE]
+
+`--ab TREE` also runs each kvgate contender from another checkout (`NAME@base`, e.g. a
+`git worktree` of the commit before a change), in the same run: before against after.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from fleetbench import capacity, contenders, fleet, measure, report, workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = {"workloads": ["mix", "realistic"], "loads": [0.5, 1.0, 2.0, 3.0],
-        "contenders": list(contenders.CONTENDERS), "repeats": 1}
+        "contenders": list(contenders.CONTENDERS)}
 QUICK = {"workloads": ["realistic"], "loads": [1.0, 2.0],
          "contenders": ["direct-rr", "vllm-router-cache_aware", "kvgate-worst",
                         "kvgate-predicted", "kvgate-redis-x2"],
@@ -51,23 +55,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="realistic workload at 1x and 2x, five contenders, shorter runs "
                              "(about 5 minutes)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, help="runs of every cell (1)")
+    parser.add_argument("--repeats", type=int,
+                        help="runs of every cell, medians reported (the most the workloads "
+                             f"run take: {_each('repeats')})")  # fmt: skip
     parser.add_argument("--workloads", nargs="+", choices=list(workloads.WORKLOADS))
     parser.add_argument("--loads", nargs="+", type=float, help="multiples of capacity")
     parser.add_argument("--contenders", nargs="+", choices=list(contenders.CONTENDERS))
     parser.add_argument("--duration", type=float,
                         help="simulated seconds of counted arrivals per run (the workload's: "
-                             "mix 20, realistic 36; quick 32)")  # fmt: skip
+                             f"{_each('duration_s')}; quick 32)")  # fmt: skip
     parser.add_argument("--warmup", type=float,
                         help="simulated seconds of arrivals first, not counted (the workload's: "
-                             "mix 8, realistic 12)")  # fmt: skip
+                             f"{_each('warmup_s')})")  # fmt: skip
     parser.add_argument("--ttft-timeout", type=float, default=20.0,
                         help="simulated seconds a request may wait for its first token (20)")
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="simulated seconds a request may take in all (90)")
     parser.add_argument("--time-scale", type=float,
-                        help="wall seconds per simulated second (the workload's: mix 0.5, "
-                             "realistic 0.25)")  # fmt: skip
+                        help=f"wall seconds per simulated second (the workload's: "
+                             f"{_each('time_scale')})")  # fmt: skip
+    parser.add_argument("--ab", metavar="TREE",
+                        help="also run each kvgate contender from another checkout (NAME@base): "
+                             "before against after in one run")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="workload seed of the first repeat")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
@@ -78,7 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in profile.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.ab:
+        args.contenders = [*args.contenders, *(f"{n}@base" for n in args.contenders
+                                               if contenders.CONTENDERS[n].kind == "kvgate")]
+    if args.repeats is None:
+        args.repeats = max(workloads.WORKLOADS[n].repeats for n in args.workloads)
     return args
+
+
+def _each(setting: str) -> str:
+    """Every workload's own value of a run setting, for --help."""
+    return ", ".join(f"{n} {getattr(w, setting):g}" for n, w in workloads.WORKLOADS.items())
 
 
 def run_settings(args: argparse.Namespace, name: str) -> dict[str, float]:
@@ -101,7 +120,7 @@ def plan(args: argparse.Namespace, rates: dict[str, float]) -> list[measure.RunS
                 for contender in order:
                     specs.append(measure.RunSpec(
                         workloads.WORKLOADS[name], load, round(load * rates[name], 3),
-                        contenders.CONTENDERS[contender], repeat, args.seed + repeat,
+                        contenders.named(contender, args.ab), repeat, args.seed + repeat,
                         run["warmup_s"], run["duration_s"], args.ttft_timeout, args.timeout,
                         run["time_scale"],
                     ))  # fmt: skip
@@ -154,9 +173,10 @@ def describe(args: argparse.Namespace, started: float) -> dict[str, Any]:
                      "per_workload": {n: run_settings(args, n) for n in args.workloads},
                      "ttft_timeout_s": args.ttft_timeout, "timeout_s": args.timeout,
                      "seed": args.seed},
-        "contenders": {n: contenders.CONTENDERS[n].describe for n in args.contenders},
+        "contenders": {n: contenders.named(n, args.ab).describe for n in args.contenders},
         "fleet": {name: {**knobs, **fleet.TIMING, **fleet.OVERRIDES.get(name, {})}
                   for name, knobs in fleet.REPLICAS.items()},
+        "workloads": {n: workloads.WORKLOADS[n].describe for n in args.workloads},
         "output_lengths": {n: workloads.WORKLOADS[n].output_lengths for n in args.workloads},
         "slo": {"short_ttft_s": list(report.SHORT_TTFT_SLOS_S),
                 "long_ttft_s": report.LONG_TTFT_SLO_S},

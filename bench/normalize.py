@@ -5,7 +5,7 @@ need no edit and on noisy ones, timed in batches in this process; reported as th
 microseconds per request over the batches, beside the parse it follows (orjson.loads and
 validation) for scale.
 
-Hits: the noisy workload (kvgate/normalize/noisy.py: a timestamp in the system prompt's first
+Hits: the noisy workload (kvgate/tools/noisy.py: a timestamp in the system prompt's first
 line, CRLF half the time, random trailing blanks, tool JSON in random key order) sent through
 kvgate to one simulated replica with normalization off, then on (timestamps relocated), and the
 same prompts sent clean; the replica's own vllm:prefix_cache_hits / queries for each.
@@ -30,12 +30,12 @@ from aiohttp import web
 from kvgate.app import build_app
 from kvgate.config import Config, TenantConfig, parse_config
 from kvgate.metrics import Metrics
-from kvgate.normalize.noisy import clean_chats, noisy_chats
 from kvgate.normalize.stage import PromptStage
-from kvgate.requests import Endpoint, ParsedRequest, parse_body
+from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body
+from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
-from kvgate.tokens import load_tiktoken
+from kvgate.tools.noisy import clean_chats, noisy_chats
 
 RELOCATE = {"rules": {"relocate_dynamic": True}, "relocate": {"patterns": ["timestamp"]}}
 

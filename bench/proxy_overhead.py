@@ -1,8 +1,8 @@
 """What kvgate costs on the request path, against the real contenders, in one run and harness.
 
 Starts, each in its own process(es) on 127.0.0.1:
-  - the upstream: `bench/stub_upstream.py`, a vLLM stand-in that answers at once from
-    pre-rendered bytes (not `kvgate sim`, whose engine would blur the proxy's share);
+  - the upstream: `python -m kvgate.sim.stub`, a vLLM stand-in that answers at once from
+    canned bytes (not `kvgate sim`, whose engine would blur the proxy's share);
   - the contenders in front of it (`--contenders`, default all that can start here):
       direct            the stub itself (the floor: no proxy)
       passthrough       `bench/passthrough.py`, a minimal aiohttp proxy (the Python floor)
@@ -96,7 +96,7 @@ class Workload:
         if self.stream:
             chunks = raw.count(b'"delta":{"content":"')
             return chunks == self.max_tokens and raw.endswith(b"data: [DONE]\n\n")
-        return raw.count(b"word ") == self.max_tokens
+        return raw.count(b"tok ") == self.max_tokens  # kvgate.sim.stub's whole answer
 
 
 NON_STREAMED = Workload("non-streamed", 16, False)
@@ -298,7 +298,7 @@ async def start_servers(
     proxy_cpus, other_cpus = ("0", "1") if pin else (None, None)
     stub_port = free_port()
     stub = f"http://127.0.0.1:{stub_port}"
-    children.start("direct", [py, "bench/stub_upstream.py", "--port", str(stub_port)], other_cpus)
+    children.start("direct", [py, "-m", "kvgate.sim.stub", "--port", str(stub_port)], other_cpus)
     urls = {"direct": stub}
     ready = {"direct": stub + "/health"}
     for name in names:
@@ -449,7 +449,7 @@ def cell(workload: Workload, concurrency: int, name: str, tally: Tally) -> Cell:
 
 
 def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, object]]:
-    """One row per contender: the headline figures (see the README's table)."""
+    """One row per contender: the headline figures (see the table in docs/benchmarks.md)."""
     by = {(c.workload, c.concurrency, c.contender): c for c in cells}
     c_lo, c_hi = min(args.concurrency), max(args.concurrency)
     s_lo, s_hi = min(args.stream_concurrency), max(args.stream_concurrency)

@@ -1,6 +1,9 @@
 """The fleet benchmark's parts: `bench/fleet.py` is the command that runs them.
 
-    workloads.py    the seeded workloads (the demo's `mix`, and `realistic`) in simulated seconds
+    workloads.py    the seeded workloads (the demo's `mix`, `realistic`, the trace's) in simulated
+                    seconds, with their run settings
+    trace.py        `trace` and `trace-mixed`: a production trace (bench/traces/) replayed
+    prompts.py      the words, system prompts and chat bodies the workloads send
     fleet.py        the simulated fleet: replica settings per workload, the YAML `kvgate sim` reads
     capacity.py     the fleet's capacity for a workload, by stepping the simulator's engine offline
     processes.py    child processes: start, wait until ready, stop every one whatever happens

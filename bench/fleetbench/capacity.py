@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.engine import Engine
+from kvgate.sim.options import output_tokens
 from kvgate.sim.text import PromptEncoder
-from kvgate.tokens import load_tiktoken
-from kvgate.workload import WorkItem
+from kvgate.tools.workload import WorkItem
 
 from .fleet import Replica, sim_config
 from .workloads import Workload
@@ -75,13 +76,21 @@ def estimate(workload: Workload, fleet: list[Replica], seed: int = 0) -> dict[st
     }  # fmt: skip
 
 
+def submit(engine: Engine, items: list[WorkItem], encoder: PromptEncoder) -> None:
+    """Every item into the engine at time 0, as a replica would take it: its prompt, its
+    max_tokens (none: the rest of the context) and, where the item sets it, its answer's
+    length (X-Sim-Output-Tokens)."""
+    for n, item in enumerate(items):
+        prompt = encoder.encode_chat(item.body["messages"])
+        engine.add_request(f"r{n}", prompt, item.body.get("max_tokens"), 0.0,
+                           output_len=output_tokens(item.headers))  # fmt: skip
+
+
 def saturated_throughput(replica: Replica, items: list[WorkItem], encoder: PromptEncoder,
                          ) -> tuple[float, float, int]:  # fmt: skip
     """(requests/s, output tokens/s, preemptions) of one replica given every item at once."""
     engine = Engine(sim_config(replica))
-    for n, item in enumerate(items):
-        prompt = encoder.encode_chat(item.body["messages"])
-        engine.add_request(f"r{n}", prompt, item.body["max_tokens"], 0.0)
+    submit(engine, items, encoder)
     now = 0.0
     done: list[float] = []
     tokens: list[tuple[float, int]] = []

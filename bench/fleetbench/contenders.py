@@ -7,7 +7,8 @@
                               router that knows no pools would be deployed; policies
                               round_robin, power_of_two, cache_aware
     kvgate-worst              `kvgate serve`, admission.mode worst_case
-    kvgate-predicted          `kvgate serve`, admission.mode predicted (critical: worst_case)
+    kvgate-predicted          `kvgate serve`, admission.mode predicted
+    kvgate-predicted-lookahead  the same with admission.prediction.rule lookahead
     kvgate-redis-x2           two `kvgate serve` sharing state in Redis, predicted; the load
                               generator alternates between them
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -42,8 +44,9 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "batch", "priority": "sheddable"},  # no tenant limits: the others have none
     {"name": "anonymous", "priority": "standard"},
 ]
-# Simulated seconds a request of each class may wait for KV capacity (kvgate's defaults).
-WAIT_BUDGET_S = {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
+# Simulated seconds: each class's latency target (kvgate refuses at arrival what it expects
+# to start later), set as an operator would for the goodput thresholds measured.
+TTFT_TARGET_S = {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
 AFFINITY_WAIT_S = 0.25  # a session waits this long for its replica (kvgate's default)
 MAX_WAIT_S = 30.0
 DISCOVERY_INTERVAL_S = 2.0
@@ -56,9 +59,12 @@ class Contender:
     kind: str  # "direct", "vllm-router" or "kvgate"
     policy: str | None = None  # vllm-router's --policy
     mode: str | None = None  # kvgate's admission.mode
+    rule: str | None = None  # kvgate's admission.prediction.rule (None: its default)
     instances: int = 1  # kvgate processes
     redis: bool = False
     describe: str = ""
+    tree: str | None = None  # kvgate run from this checkout's code (`--ab`), not this one's
+
 
 
 CONTENDERS: dict[str, Contender] = {c.name: c for c in [
@@ -71,9 +77,26 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               describe="kvgate, admission.mode worst_case"),
     Contender("kvgate-predicted", "kvgate", mode="predicted",
               describe="kvgate, admission.mode predicted (every class)"),
+    Contender("kvgate-predicted-lookahead", "kvgate", mode="predicted", rule="lookahead",
+              describe="kvgate, admission.mode predicted, prediction.rule lookahead"),
     Contender("kvgate-redis-x2", "kvgate", mode="predicted", instances=2, redis=True,
               describe="two kvgate instances sharing Redis state, predicted, load split"),
 ]}  # fmt: skip
+
+
+def from_tree(contender: Contender, tree: str) -> Contender:
+    """The same kvgate contender, run from another checkout (`NAME@base`): before against
+    after in one run, on the same workload, fleet and machine."""
+    return dataclasses.replace(contender, name=f"{contender.name}@base", tree=tree,
+                               describe=f"{contender.describe}, the code at {tree}")
+
+
+def named(name: str, ab: str | None = None) -> Contender:
+    """A contender by name; `NAME@base` is NAME from the `--ab` checkout."""
+    if name.endswith("@base"):
+        assert ab is not None, f"{name}: needs --ab"
+        return from_tree(CONTENDERS[name.removesuffix("@base")], ab)
+    return CONTENDERS[name]
 
 
 @dataclass(slots=True)
@@ -133,12 +156,14 @@ async def _start_vllm_router(contender: Contender, children: Children,
 def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload,
                   time_scale: float, port: int, redis_prefix: str | None) -> dict[str, Any]:  # fmt: skip
     """The gateway's config tree (what `kvgate serve --config` reads)."""
-    scaled = {name: round(s * time_scale, 4) for name, s in WAIT_BUDGET_S.items()}
+    scaled = {name: round(s * time_scale, 4) for name, s in TTFT_TARGET_S.items()}
     admission: dict[str, Any] = {
         "mode": contender.mode,
         "queue": {"max_depth": 1024, "max_wait_s": MAX_WAIT_S * time_scale,
-                  "wait_budget_s": scaled},
+                  "ttft_target_s": scaled},
     }  # fmt: skip
+    if contender.rule is not None:
+        admission["prediction"] = {"rule": contender.rule}
     pools: dict[str, Any] = {}
     for replica in fleet:
         pool = pools.setdefault(replica.pool, {"replicas": []})
@@ -153,7 +178,7 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
         "discovery": {"interval_s": DISCOVERY_INTERVAL_S * time_scale,
                       "stale_after_s": 5 * DISCOVERY_INTERVAL_S * time_scale},
         "admission": admission,
-        # simulated seconds, like the wait budgets: kvgate's default, scaled
+        # simulated seconds, like the latency targets: kvgate's default, scaled
         "routing": {"sessions": {"affinity_wait_s": round(AFFINITY_WAIT_S * time_scale, 4)}},
         "auth": {"mode": "trusted_header", "anonymous_tenant": "anonymous",
                  "trusted_networks": ["127.0.0.1/32"]},
@@ -173,9 +198,11 @@ async def _start_kvgate(contender: Contender, children: Children, http: aiohttp.
         config = kvgate_config(contender, fleet, workload, time_scale, port, prefix)
         path = children.logs / f"kvgate-{n}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
+        tree = None if contender.tree is None else Path(contender.tree)
         children.start(f"kvgate-{n}", [sys.executable, "-m", "kvgate.cli", "serve",
                                        "--config", str(path), "--log-level", "WARNING",
-                                       "--workers", "1"])  # fmt: skip (one process per instance)
+                                       "--workers", "1"],  # one process per instance
+                       env=None if tree is None else {"PYTHONPATH": str(tree)}, cwd=tree)
         urls.append(f"http://127.0.0.1:{port}")
     for n, url in enumerate(urls):
         await children.wait_ready(http, f"kvgate-{n}", url + "/ready")

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.workload import WorkItem, run_workload
+from kvgate.tools.workload import WorkItem, run_workload
 
 from . import contenders, fleet, metrics
 from .processes import ChildFailed, Children, cpu_seconds, free_port

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from kvgate.workload import Result, goodput, percentile
+from kvgate.tools.workload import Result, goodput, percentile
 
 SHORT_TTFT_SLOS_S = (1.0, 2.0)
 LONG_TTFT_SLO_S = 10.0

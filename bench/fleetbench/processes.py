@@ -55,12 +55,15 @@ class Children:
                         tb: TracebackType | None) -> None:  # fmt: skip
         await asyncio.to_thread(self.stop)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> None:
+        """Start `argv` in `cwd` (the repository root by default: `python -m` imports from
+        there first, so another checkout's code runs from its own root)."""
         if name in self.procs:
             raise ValueError(f"{name}: already started")
         with (self.logs / f"{name}.log").open("wb") as log:
             self.procs[name] = subprocess.Popen(
-                argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, cwd=cwd or ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
             )  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 `medians` takes every run's record and gives one per workload × load × contender, each
 number the median over its repeats (a refusal or failure reason missing from a repeat counts
-as 0 there). The markdown is written to be included verbatim in the README.
+as 0 there). The markdown is written to be included verbatim in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ from typing import Any
 from .contenders import CONTENDERS
 from .metrics import LONG_TTFT_SLO_S, SHORT_TTFT_SLOS_S
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY = ("workload", "load", "contender")
+# A workload without output_len_* settings sets each answer's length itself.
+PER_REQUEST = ("each request's own, set by the workload (the simulator's benchmark-only "
+               "X-Sim-Output-Tokens header, which the contenders pass on unread)")
 
 
-def _order(row: dict[str, Any]) -> tuple[float, int]:
+def row_order(row: dict[str, Any]) -> tuple[float, int]:
     """Rows by load, then contenders as CONTENDERS lists them (baseline first)."""
     names = list(CONTENDERS)
-    name = row["contender"]
-    return row["load"], names.index(name) if name in names else len(names)
+    name = row["contender"].removesuffix("@base")  # the code before, beside the code after
+    rank = names.index(name) if name in names else len(names)
+    return row["load"], 2 * rank + row["contender"].endswith("@base")
 
 
 def medians(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,7 +101,7 @@ def table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
     """One table per workload, rows by load then contender."""
     lines: list[str] = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        mine = sorted((r for r in rows if r["workload"] == workload), key=_order)
+        mine = sorted((r for r in rows if r["workload"] == workload), key=row_order)
         header = ["load", "contender", *(name for name, _, _ in COLUMNS)]
         body = [[f"{r['load']:g}x", r["contender"], *(cell(r, p, f) for _, p, f in COLUMNS)]
                 for r in mine]  # fmt: skip
@@ -189,6 +194,15 @@ def plots(rows: list[dict[str, Any]], runs: list[dict[str, Any]], out_dir: Path,
     return written
 
 
+def _link(path: Path) -> str:
+    """A plot's link in the markdown: its path from the repository's root (docs/benchmarks.md
+    includes the markdown), or its name where it was written outside the repository."""
+    try:
+        return "/" + path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=90)
     return path
@@ -199,7 +213,7 @@ def ratios(rows: list[dict[str, Any]], baseline: str = "direct-rr") -> str:
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
         mine = sorted((r for r in rows if r["workload"] == workload and "error" not in r),
-                      key=_order)  # fmt: skip
+                      key=row_order)  # fmt: skip
         loads = sorted({r["load"] for r in mine})
         base = {r["load"]: r["goodput_per_s"]["short_ttft_2s"] for r in mine
                 if r["contender"] == baseline}  # fmt: skip
@@ -232,7 +246,7 @@ def best(rows: list[dict[str, Any]]) -> str:
         parts = []
         mine = [r for r in rows if r["workload"] == workload and "error" not in r]
         for load in sorted({r["load"] for r in mine}):
-            at = sorted((r for r in mine if r["load"] == load), key=_order)
+            at = sorted((r for r in mine if r["load"] == load), key=row_order)
             top = max(r["goodput_per_s"]["short_ttft_2s"] for r in at)
             leaders = [r["contender"] for r in at if r["goodput_per_s"]["short_ttft_2s"] == top]
             named = leaders[0] if len(leaders) == 1 else f"{len(leaders)} tied"
@@ -249,7 +263,7 @@ def tenants(rows: list[dict[str, Any]]) -> str:
         if not mine:
             continue
         load = max(r["load"] for r in mine)
-        at = sorted((r for r in mine if r["load"] == load), key=_order)
+        at = sorted((r for r in mine if r["load"] == load), key=row_order)
         names = sorted({t for r in at for t in r["by_tenant"]})
         lines += [f"**{workload} at {load:g}x, per tenant**: completed / sent, TTFT p50/p99 (s) "
                   "of the completed", "",
@@ -299,12 +313,15 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         "limits (the other contenders have none); kvgate-predicted admits every class on "
         "predicted demand, kvgate-worst every class on its worst case.",
         "",
-        *(f"![{p.stem}](/bench/results/{p.name})" for p in plots),
+        *(f"![{p.stem}]({_link(p)})" for p in plots),
         "",
         "## How it was measured",
         "",
+        "- Workloads: " + "; ".join(f"`{n}` — {d}" for n, d in meta.get("workloads", {}).items()
+                                    if d) + ".",
         f"- Runs: loads {', '.join(f'{x:g}x' for x in settings['loads'])} of capacity; per "
-        "workload, simulated seconds of open-loop Poisson arrivals sent to fill the fleet "
+        "workload, simulated seconds of open-loop arrivals (Poisson, or a trace's own times "
+        "compressed to the load) sent to fill the fleet "
         "(warm-up, not counted), then seconds whose requests are counted, and the replicas' "
         "time_scale (wall seconds per simulated second): "
         + "; ".join(f"{n} {s['warmup_s']:g} s + {s['duration_s']:g} s at time_scale "
@@ -315,14 +332,15 @@ def markdown(meta: dict[str, Any], estimates: dict[str, Any], rows: list[dict[st
         "contender order alternating. Every run starts a fresh fleet (no cache or queue "
         "inherited) and the contender's own processes; the load generator is this process.",
         "- Time: latencies are the load generator's wall clock ÷ time_scale, and kvgate's "
-        "durations (discovery interval, queue wait budgets) are given in simulated seconds × "
+        "durations (discovery interval, latency targets, queue wait) are given in simulated seconds × "
         "time_scale. The replicas' own clocks ran at the \"sim speed\" of the table: below 1 "
         "they fell behind the wall clock (CPU contention, step timers overshooting), and "
         "latencies are overstated by up to 1/sim speed.",
         "- Fleet: three normal replicas and one long-context replica, each a `kvgate sim` "
         "process (times in simulated seconds):",
         *fleet_lines,
-        "- Output lengths: " + "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in o.items())
+        "- Output lengths: " + "; ".join(f"{n}: " + (", ".join(f"{k} {v}" for k, v in o.items())
+                                                     or PER_REQUEST)
                                          for n, o in meta["output_lengths"].items()) + ".",
         "- Contenders: " + "; ".join(f"`{n}` — {d}" for n, d in meta["contenders"].items())
         + ".",

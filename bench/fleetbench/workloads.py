@@ -1,8 +1,8 @@
 """The benchmark's workloads: seeded, open-loop, in *simulated* seconds.
 
-`mix` is the demo's (`kvgate.workload.build_workload`): chats sharing a system prompt, some
-with a timestamp and trailing spaces, and long documents. `realistic` is what a chat product
-sees, with three tenants:
+`mix` is the demo's (`kvgate.tools.workload.build_workload`): chats sharing a system prompt, some
+with a timestamp and trailing spaces, and long documents. `trace` and `trace-mixed` replay a
+production trace (`trace.py`). `realistic` is what a chat product sees, with three tenants:
 
   * `vip` (critical, a small share): single questions to a support assistant, max_tokens 1024;
   * `chat-app` (standard): multi-turn sessions whose every turn resends the whole history,
@@ -25,26 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.workload import SYSTEM_PROMPT, WorkItem, build_workload
+from kvgate.tools.workload import SYSTEM_PROMPT, WorkItem, build_workload
 
-MODEL = "sim-model"
-# Each a single cl100k token with its leading space.
-WORDS = (
-    "the", "data", "model", "answer", "request", "customer", "order", "invoice", "account",
-    "payment", "service", "system", "report", "policy", "product", "team", "support", "time",
-    "number", "value", "result", "process", "issue", "update", "change", "user", "access",
-    "security", "network", "server", "storage", "cost", "plan", "price", "market", "sales",
-    "growth", "review", "risk", "quality", "test", "release", "version", "feature", "error",
-    "event", "log", "metric", "alert",
-)
-ASSISTANT_PROMPT = (
-    "You are a helpful assistant for the employees of Example Corp. Be accurate and complete; "
-    "use lists where they help; ask a clarifying question when the request is ambiguous. "
-) * 6  # ~200 tokens, shared by every chat-app session
-EXTRACTION_PROMPT = (
-    "Extract every order number, amount and date from the text below and return them as a "
-    "JSON list of objects with the keys order, amount and date. "
-) * 3  # ~100 tokens, shared by every batch job
+from . import trace
+from .prompts import ASSISTANT_PROMPT, EXTRACTION_PROMPT, MODEL, chat, words
 
 # Shares of the realistic workload's requests.
 VIP_SHARE, DOCUMENT_SHARE, BATCH_SHARE = 0.08, 0.05, 0.20
@@ -54,6 +38,8 @@ THINK_S = 6.0  # mean simulated seconds between a session's turns
 BURST = (8, 16)  # jobs per batch burst, uniformly
 BURST_SPREAD_S = 2.0  # a burst's jobs arrive within this many simulated seconds
 DOCUMENT_TOKENS = (9000, 14000)  # long documents: prompt + max_tokens is above 8192
+# The trace's run settings (simulated seconds; wall seconds per simulated second).
+TRACE_WARMUP_S, TRACE_DURATION_S, TRACE_TIME_SCALE = 12.0, 36.0, 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +58,8 @@ class Workload:
     warmup_s: float
     duration_s: float
     time_scale: float
+    describe: str = ""
+    repeats: int = 1  # runs of every cell unless --repeats says otherwise
 
 
 def build_mix(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
@@ -87,20 +75,20 @@ def build_realistic(seed: int, duration_s: float, rate: float) -> list[WorkItem]
     for start in _poisson(rng, rate * CHAT_SHARE / mean_turns, duration_s + lead):
         items.extend(_session(rng, start - lead, duration_s))
     for at in _poisson(rng, rate * VIP_SHARE, duration_s):
-        question = f"Question about {_text(rng, 3)}: {_text(rng, rng.randint(20, 60))}?"
-        items.append(_chat(at, "short", "vip", SYSTEM_PROMPT, [question], [], 1024))
+        question = f"Question about {words(rng, 3)}: {words(rng, rng.randint(20, 60))}?"
+        items.append(chat(at, "short", "vip", SYSTEM_PROMPT, [question], [], 1024))
     for at in _poisson(rng, rate * DOCUMENT_SHARE, duration_s):
-        document = _text(rng, rng.randint(*DOCUMENT_TOKENS))
-        items.append(_chat(at, "long", "chat-app", "Summarise the document for an analyst.",
-                           [document], [], rng.choice([1024, 2048])))  # fmt: skip
+        document = words(rng, rng.randint(*DOCUMENT_TOKENS))
+        items.append(chat(at, "long", "chat-app", "Summarise the document for an analyst.",
+                          [document], [], rng.choice([1024, 2048])))  # fmt: skip
     mean_burst = sum(BURST) / 2
     for burst in _poisson(rng, rate * BATCH_SHARE / mean_burst, duration_s):
         for _ in range(rng.randint(*BURST)):
             at = burst + rng.uniform(0, BURST_SPREAD_S)
             if at < duration_s:
-                text = _text(rng, rng.randint(300, 600))
-                items.append(_chat(at, "short", "batch", EXTRACTION_PROMPT, [text], [],
-                                   rng.choice([1024, 2048])))  # fmt: skip
+                text = words(rng, rng.randint(300, 600))
+                items.append(chat(at, "short", "batch", EXTRACTION_PROMPT, [text], [],
+                                  rng.choice([1024, 2048])))  # fmt: skip
     items.sort(key=lambda item: item.at_s)
     return items
 
@@ -114,26 +102,15 @@ def _session(rng: random.Random, start: float, duration_s: float) -> list[WorkIt
     for _ in range(rng.choice(TURNS)):
         if at >= duration_s:
             break
-        questions.append(f"{_text(rng, rng.randint(15, 80))}?")
+        questions.append(f"{words(rng, rng.randint(15, 80))}?")
         max_tokens = rng.choice([1024, 2048, 4096])
         if at >= 0:  # earlier turns happened before the run: history only
-            turns.append(_chat(at, "short", "chat-app", ASSISTANT_PROMPT, questions, answers,
-                               max_tokens))  # fmt: skip
+            turns.append(chat(at, "short", "chat-app", ASSISTANT_PROMPT, questions, answers,
+                              max_tokens))  # fmt: skip
         # What the assistant said, as the client will resend it: a few hundred tokens.
-        answers.append(_text(rng, min(600, int(rng.lognormvariate(5.6, 0.5)))))
+        answers.append(words(rng, min(600, int(rng.lognormvariate(5.6, 0.5)))))
         at += rng.expovariate(1 / THINK_S)
     return turns
-
-
-def _chat(at: float, kind: str, tenant: str, system: str, questions: list[str],
-          answers: list[str], max_tokens: int) -> WorkItem:  # fmt: skip
-    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
-    for i, question in enumerate(questions):
-        messages.append({"role": "user", "content": question})
-        if i < len(answers):
-            messages.append({"role": "assistant", "content": answers[i]})
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
-    return WorkItem(at, kind, tenant, body)
 
 
 def _poisson(rng: random.Random, rate: float, duration_s: float) -> list[float]:
@@ -147,10 +124,6 @@ def _poisson(rng: random.Random, rate: float, duration_s: float) -> list[float]:
     return times
 
 
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choices(WORDS, k=words))
-
-
 WORKLOADS: dict[str, Workload] = {
     # The demo's: answers use 60–100% of max_tokens, near the worst case. Many small chats
     # (the fleet serves ~25 a second), so a slower clock; their answers end within seconds.
@@ -162,5 +135,21 @@ WORKLOADS: dict[str, Workload] = {
     "realistic": Workload("realistic", build_realistic, 8192,
                           {"output_len_dist": "lognormal", "output_len_median_fraction": 0.1,
                            "output_len_sigma": 0.5},
-                          warmup_s=12.0, duration_s=36.0, time_scale=0.25),
+                          warmup_s=12.0, duration_s=36.0, time_scale=0.25,
+                          describe="multi-turn chats (chat-app, standard), single questions "
+                                   "(vip, critical), long documents, bursts of extraction jobs "
+                                   "(batch, sheddable); max_tokens 1,024-4,096, answers a "
+                                   "lognormal 10% of it"),
+    # A production trace: its answer lengths ride on each request (no output_len_* needed).
+    **{name: Workload(name, build, trace.LONG_POOL_MIN_TOKENS, {},
+                      warmup_s=TRACE_WARMUP_S, duration_s=TRACE_DURATION_S,
+                      time_scale=TRACE_TIME_SCALE, repeats=3,
+                      describe=f"Azure's LLM conversation trace (2023), 2,000 rows, time-"
+                               f"compressed; {trace.VIP_SHARE:.0%} of its requests vip (critical), the "
+                               f"rest chat-app (standard); {trace.BULK_SHARE:.0%} of all requests "
+                               f"batch (sheddable) bursts of trace rows; answers end at the "
+                               f"trace's GeneratedTokens; max_tokens {limits}")
+       for name, build, limits in (
+           ("trace", trace.build_trace, "1,024 on every request"),
+           ("trace-mixed", trace.build_trace_mixed, "a seeded third each of none, 2,048 and 4,096"))},
 }  # fmt: skip

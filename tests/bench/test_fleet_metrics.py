@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fleetbench import metrics, report
 
-from kvgate.workload import Result, goodput, within_slo
+from kvgate.tools.workload import Result, goodput, within_slo
 
 
 def result(kind: str = "short", status: int = 200, ttft: float | None = 0.5,
@@ -127,7 +127,7 @@ def test_the_gateway_config_the_benchmark_writes_is_one_kvgate_accepts(name):
     config = parse_config(contenders.kvgate_config(contender, replicas, workload, 0.25, 9000,
                                                    prefix))  # fmt: skip
     assert config.admission.mode == contender.mode
-    assert config.admission.queue.budget("standard") == pytest.approx(2.0 * 0.25)
+    assert config.admission.queue.target("standard") == pytest.approx(2.0 * 0.25)
     assert config.pools["long"].min_worst_case_tokens == workload.long_pool_min_tokens
     assert [r.name for r in config.pools["default"].replicas] == list(fleet.NORMAL)
     assert config.state.backend == ("redis" if contender.redis else "memory")

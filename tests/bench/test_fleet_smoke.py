@@ -15,6 +15,10 @@ RUN_FIELDS = {"workload", "load", "rate_per_s", "contender", "repeat", "requests
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
+# bench/fleet.py runs on a loop of its own, under this test's frame, and writes its figures
+# there; kvgate and the simulators it measures are processes of their own.
+@pytest.mark.blocking_allowed
 def test_a_tiny_run_of_two_contenders_writes_every_figure(tmp_path, capsys):
     code = fleet.main(["--workloads", "realistic", "--contenders", "direct-rr", "kvgate-predicted",
                        "--loads", "2", "--warmup", "2", "--duration", "4",
