@@ -112,11 +112,8 @@ class Gateway:
             try:  # admit, forward and relay; again elsewhere where the attempts stage says
                 deliver = functools.partial(relay, request)  # the answer, to this client
                 return await self.attempts.run(x, functools.partial(self.attempt, deliver))
-            finally:  # settle on every ending
-                if x.settling is not None:
-                    await finish(x.settling)
-                else:
-                    await self.settle(x)
+            finally:  # settle on every ending, whatever cancellation arrives meanwhile
+                await finish(x.settling if x.settling is not None else self.settle(x))
 
     async def take_front(self, x: Exchange, remote: str | None) -> None:
         """Parse and validate, identify the tenant, normalize the prompt (counted,
@@ -301,7 +298,7 @@ class Gateway:
         else:
             # the client left, the stream broke, or kvgate gave up waiting for a whole answer
             # the replica was still computing: what the replica processed until it ended
-            await finish(self.settle_unreported(x))
+            await self.settle_unreported(x)
             return
         x.info.charged_tokens = prompt + completion
         await self.budgets.settle(x.charge, prompt, completion)
