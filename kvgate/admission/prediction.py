@@ -24,6 +24,7 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -76,12 +77,15 @@ SOURCES = (*(name for name, _ in LEVELS), "prior")
 class Lengths:
     """The last `window` answer lengths of one key, kept sorted, with their running sum."""
 
-    __slots__ = ("_recent", "_sorted", "_window")
+    __slots__ = ("_recent", "_sorted", "_tails", "_window")
 
     def __init__(self, window: int) -> None:
         self._window = window
         self._recent: deque[int] = deque()
         self._sorted: list[int] = []
+        # _tails[i] = sum(_sorted[i:]), made on the first read after a change: the ledger
+        # reads every running answer's forecast several times a second
+        self._tails: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self._sorted)
@@ -92,6 +96,7 @@ class Lengths:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._recent.append(tokens)
         bisect.insort(self._sorted, tokens)
+        self._tails = None
 
     def quantile(self, q: float) -> int:
         ordered = self._sorted
@@ -101,8 +106,12 @@ class Lengths:
         """E[length | length > written] over the window: the survival curve's expectation of
         an answer that has written `written` tokens; None when none was that long."""
         ordered = self._sorted
-        longer = ordered[bisect.bisect_right(ordered, written):]
-        return sum(longer) / len(longer) if longer else None
+        first = bisect.bisect_right(ordered, written)
+        if first == len(ordered):
+            return None
+        if self._tails is None:
+            self._tails = list(itertools.accumulate(reversed(ordered)))[::-1]
+        return self._tails[first] / (len(ordered) - first)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ class Admission:
         self.ledger = Ledger(store, keeper, metrics)
         self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
         self.exact = self.ledger.exact  # of those, this instance's worst-case reservations
+        self.pending = self.ledger.pending  # lower-class growth still expected there
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
         self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
@@ -158,7 +159,7 @@ class Admission:
             demand.worst_blocks_on(slot.replica)
         )
         if demand.predicted:
-            self.ledger.growing.add(slot)
+            self.ledger.track(slot)
         placed = self.clock()
         pool.took(demand.priority, slot.reserved_blocks, placed)
         try:

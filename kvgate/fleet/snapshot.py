@@ -49,6 +49,9 @@ class ReplicaView(NamedTuple):
     kept_blocks: int  # of those, what only the critical class may use
     reserved_blocks: int  # on the shared ledger, by every instance
     exact_blocks: int  # of those, this instance's reservations of their worst case
+    # how far this instance's lower-class predicted reservations there are still expected to
+    # grow: the lower classes' limit leaves room for it where blocks are kept
+    pending_blocks: int
     shared_prefix_blocks: int
     inflight: int
     overcommit: float
@@ -107,15 +110,19 @@ class ReplicaView(NamedTuple):
         worst-case reservation holds all of it (this instance's: `exact_blocks`), so what
         the replica really holds, predicted / factor + exact, stays within the admissible
         blocks. Blocks kept for the critical class are not offered to the other classes,
-        unless the request's reservation could never fit without them."""
+        unless the request's reservation could never fit without them; nor are the blocks
+        the lower classes' running answers are still expected to grow into, so that growth
+        stays out of the kept blocks too."""
         admissible = self.admissible_blocks
         if admissible is None:
             return None
-        if priority != "critical" and blocks <= admissible - self.kept_blocks:
+        pending = 0
+        if priority != "critical" and self.kept_blocks and blocks <= admissible - self.kept_blocks:
             admissible -= self.kept_blocks
+            pending = self.pending_blocks
         if predicted:
-            return self._scaled(admissible)
-        return self._scaled(admissible - blocks) + blocks
+            return self._scaled(admissible) - pending
+        return self._scaled(admissible - blocks) + blocks - pending
 
     def _scaled(self, admissible: int) -> int:
         """The ledger total at which the replica really holds `admissible` blocks."""
@@ -174,6 +181,7 @@ def take_snapshot(
     stale_after_s: float,
     reserved: Mapping[str, int],
     exact: Mapping[str, int] | None = None,
+    pending: Mapping[str, int] | None = None,
     shared_prefix_blocks: Callable[[str], int],
     circuit: Callable[[str], str],
     overcommit: Callable[[str], float],
@@ -204,6 +212,7 @@ def take_snapshot(
             kept_blocks=kept_blocks(admissible, config, critical(r.pool)),
             reserved_blocks=reserved.get(rid, 0),
             exact_blocks=exact.get(rid, 0) if exact else 0,
+            pending_blocks=pending.get(rid, 0) if pending else 0,
             shared_prefix_blocks=shared_prefix_blocks(rid), inflight=len(r.inflight),
             overcommit=factor,
             typical=typical[r.pool] if r.pool in typical else typical.setdefault(

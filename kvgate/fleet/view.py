@@ -33,6 +33,12 @@ class AdmissionFigures(Protocol):
         """Of `reserved`, this instance's reservations of their worst case, per replica."""
         ...
 
+    @property
+    def pending(self) -> Mapping[str, int]:
+        """Per replica, how far this instance's lower-class predicted reservations there are
+        still expected to grow."""
+        ...
+
     def shared_prefix_blocks(self, replica_id: str) -> int:
         """Blocks this instance holds on the replica as shared-prefix leases."""
         ...
@@ -74,6 +80,7 @@ class FleetView:
             stale_after_s=config.discovery.stale_after_s,
             reserved=figures.reserved,
             exact=figures.exact,
+            pending=figures.pending,
             shared_prefix_blocks=figures.shared_prefix_blocks,
             circuit=circuits.state if circuits is not None else _closed,
             overcommit=figures.overcommit_factor,

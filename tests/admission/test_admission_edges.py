@@ -218,3 +218,75 @@ async def test_a_worst_case_slot_on_a_replica_that_left_the_fleet_is_still_given
         gate.admission.ledger.forget(set())
     assert await gate.held(r) == 0
     assert gate.admission.ledger.exact == {}
+
+
+def with_critical_tenant(gate: Gate) -> Gate:
+    """The gate's config with a critical tenant that may use every pool: its replicas keep
+    headroom for it."""
+    from kvgate.config import TenantConfig
+
+    current = gate.admission.current().model_copy(update={"tenants": [
+        TenantConfig(name="vip", priority="critical"), TenantConfig(name="bulk")]})
+    gate.admission.current = lambda: current
+    gate.admission.keeper.current = lambda: current
+    return gate
+
+
+async def test_lower_class_answers_do_not_grow_into_the_blocks_kept_for_the_critical_class():
+    """400 blocks, 40 kept for the critical class. A bulk answer reserves its prompt and its
+    predicted end (6 blocks) and grows as it writes, to a lookahead past where it is
+    forecast to end (8 blocks). Admitting bulk up to 360 reserved blocks let 60 in, whose
+    growth took 480 blocks, the kept 40 with them, and a critical request arriving then
+    queued behind the burst. Admission of the lower classes now leaves room for the growth
+    still expected of their running answers: once all of them reach their predicted end,
+    they hold at most the 360 blocks not kept, and the critical request starts at once."""
+    gate = with_critical_tenant(Gate(AdmissionConfig(
+        target_utilization=1.0, critical_headroom=0.1, queue=QueueConfig(max_wait_s=5))))
+    r = replica("a", blocks=400)
+    prompt, end = 32, 32 + 64  # an answer predicted at 64 tokens; the history has no longer one
+    bulk = Demand("p", "m", prompt + 16 * 60, "bulk", "standard", prompt_tokens=prompt,
+                  ahead_tokens=64, margin_tokens=32, forecast=lambda written: max(written, end))
+    grow = asyncio.create_task(gate.admission.ledger.grow())
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            slots = []
+            for _ in range(100):
+                try:
+                    async with asyncio.timeout(0.2):
+                        slots.append(await stack.enter_async_context(admit(gate, bulk, r)))
+                except TimeoutError:
+                    break
+            assert 0 < len(slots) < 100 and all(s.blocks == 6 for s in slots)
+            for slot in slots:  # every answer reaches its predicted end and grows
+                slot.progress = lambda: end
+            await eventually_held(gate, r, len(slots) * 8)
+            assert await gate.held(r) <= 360, f"{len(slots)} bulk answers grew into the kept blocks"
+            async with asyncio.timeout(1):
+                vip = Demand("p", "m", 16 * 40, "vip", "critical")  # all 40 kept blocks
+                async with admit(gate, vip, r) as slot:
+                    assert not slot.queued
+        assert gate.admission.ledger.pending == {}  # every slot's expected growth let go
+    finally:
+        grow.cancel()
+        await asyncio.gather(grow, return_exceptions=True)
+
+
+async def test_without_blocks_kept_the_expected_growth_does_not_hold_admission_back():
+    """No critical tenant, nothing kept: the lower classes are admitted up to the limit as
+    before (the overcommit factor answers for growth past it)."""
+    gate = Gate(AdmissionConfig(target_utilization=1.0, critical_headroom=0.1,
+                                queue=QueueConfig(max_wait_s=5)))
+    r = replica("a", blocks=400)
+    bulk = Demand("p", "m", 32 + 16 * 60, "bulk", "standard", prompt_tokens=32,
+                  ahead_tokens=64, margin_tokens=32, forecast=lambda written: max(written, 96))
+    admitted, held = await admitted_at_once(gate, bulk, r, 100)
+    assert (admitted, held) == (66, 396)
+
+
+async def eventually_held(gate: Gate, r, blocks: int) -> None:
+    from tests.plugins.waiting import eventually
+
+    async def grown() -> bool:
+        return await gate.held(r) >= blocks
+
+    await eventually(grown, timeout_s=2, what=f"{blocks} blocks held")
