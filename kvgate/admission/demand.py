@@ -95,10 +95,7 @@ class Slot:
     ahead: int = 0
     forecast: Callable[[int], int] | None = None
     exact: bool = False  # it reserved its worst case: it holds all it reserves
-    # a class below critical: the growth still expected of it counts against the lower
-    # classes' limit where blocks are kept for the critical class (`pending_blocks`)
-    lower_class: bool = False
-    pending: int = 0  # its `pending_blocks` as the ledger last counted them
+    lower_class: bool = False  # a class below critical (counted in `Ledger.lower`)
 
     @property
     def reserved_blocks(self) -> int:
@@ -127,26 +124,3 @@ def growth_target(slot: Slot) -> int | None:
         wanted = max(wanted, slot.forecast(written))
     return min(ceiling, math.ceil(wanted / size))
 
-
-def expected_peak(slot: Slot) -> int:
-    """The blocks a predicted reservation is expected to hold at its answer's end: where the
-    answer is forecast to end from what it has written (at admission: where it was predicted
-    to end, what it reserved), plus the lookahead growth keeps ahead of it; never past the
-    request's worst case. A worst-case reservation never grows: what it holds."""
-    held = slot.reserved_blocks
-    if slot.exact or slot.released:
-        return held
-    size = slot.replica.kv_block_size
-    ceiling = slot.worst_blocks + (slot.shared.blocks if slot.shared else 0)
-    ahead = max(size, slot.ahead)
-    if slot.progress is None:  # not yet forwarded: it reserved its predicted end
-        end = held * size
-    else:
-        written = slot.progress()
-        end = written if slot.forecast is None else max(written, slot.forecast(written))
-    return max(held, min(ceiling, math.ceil((end + ahead) / size)))
-
-
-def pending_blocks(slot: Slot) -> int:
-    """How far the reservation is still expected to grow before its answer ends."""
-    return expected_peak(slot) - slot.reserved_blocks

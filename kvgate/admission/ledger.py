@@ -29,7 +29,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Collection, Iterator
 
-from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key, pending_blocks
+from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.shared_prefix import SharedPrefix, SharedPrefixes
 from kvgate.errors import KvgateError
@@ -61,10 +61,10 @@ class Ledger:
         self.prefixes = SharedPrefixes()
         self.growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
         self.exact: dict[str, int] = {}  # of `reserved`, this instance's worst-case reservations
-        # per replica, how far this instance's lower-class predicted reservations are still
-        # expected to grow (`pending_blocks`): admission of the lower classes leaves room for
-        # it, so their answers' growth does not run into the blocks kept for the critical class
-        self.pending: dict[str, int] = {}
+        # of `reserved`, this instance's reservations of the classes below critical: their
+        # answers' growth is never refused, so it may run past their limit, and the blocks
+        # kept for the critical class are then counted on top of it (`ReplicaView.limit`)
+        self.lower: dict[str, int] = {}
 
     async def reserve(
         self,
@@ -103,6 +103,8 @@ class Ledger:
                     exact=not demand.predicted, lower_class=demand.priority != "critical")
         if slot.exact:
             self.exact[replica.id] = self.exact.get(replica.id, 0) + own
+        if slot.lower_class:
+            self._count_lower(replica.id, own)
         self.keeper.add(
             key, lease_id, max_age_s=demand.max_hold_s, on_stale=lambda: on_stale(slot), ttl_s=ttl,
         )
@@ -271,32 +273,19 @@ class Ledger:
             del self._unsettled[replica_id]
             self._changes.pop(replica_id, None)
 
-    def track(self, slot: Slot) -> None:
-        """Grow an admitted predicted reservation with its answer from now on."""
-        self.growing.add(slot)
-        self._pend(slot)
-
-    def _pend(self, slot: Slot) -> None:
-        """Count the growth still expected of a lower-class slot in `pending` (none once
-        released)."""
-        if not slot.lower_class:
-            return
-        now = 0 if slot.released else pending_blocks(slot)
-        if now != slot.pending:
-            rid = slot.replica.id
-            left = self.pending.get(rid, 0) + now - slot.pending
-            if left > 0:
-                self.pending[rid] = left
-            else:
-                self.pending.pop(rid, None)
-            slot.pending = now
+    def _count_lower(self, replica_id: str, blocks: int) -> None:
+        left = self.lower.get(replica_id, 0) + blocks
+        if left > 0:
+            self.lower[replica_id] = left
+        else:
+            self.lower.pop(replica_id, None)
 
     async def give_back(self, slot: Slot) -> None:
         """Release the slot's lease and its share of the prefix, together (one round trip
         with a pipelining store). Run it through `finish`: it must not be cut short."""
         self.growing.discard(slot)
-        slot.released = True  # (the caller has marked it already)
-        self._pend(slot)
+        if slot.lower_class:
+            self._count_lower(slot.replica.id, -slot.blocks)
         key = ledger_key(slot.replica.id)
         self.keeper.discard(key, slot.lease_id)
         if slot.exact:  # the replica may have left the fleet (forget) meanwhile
@@ -321,7 +310,6 @@ class Ledger:
                 target = growth_target(slot)
                 if target is not None:
                     await self._grow(slot, target)
-                self._pend(slot)
 
     async def _grow(self, slot: Slot, total_blocks: int) -> None:
         own = total_blocks - (slot.shared.blocks if slot.shared else 0)
@@ -340,6 +328,8 @@ class Ledger:
                 await finish(self.release_lease(key, slot.lease_id))
                 return
             self._count(slot.replica.id, own - slot.blocks)
+            if slot.lower_class:
+                self._count_lower(slot.replica.id, own - slot.blocks)
         slot.blocks = own
         self.metrics.reservation_growths.labels(slot.replica.pool).inc()
 

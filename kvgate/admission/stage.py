@@ -85,7 +85,7 @@ class Admission:
         self.ledger = Ledger(store, keeper, metrics)
         self.reserved = self.ledger.reserved  # this instance's view of every replica's ledger
         self.exact = self.ledger.exact  # of those, this instance's worst-case reservations
-        self.pending = self.ledger.pending  # lower-class growth still expected there
+        self.lower = self.ledger.lower  # of those, the classes below critical
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
         self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
@@ -159,7 +159,7 @@ class Admission:
             demand.worst_blocks_on(slot.replica)
         )
         if demand.predicted:
-            self.ledger.track(slot)
+            self.ledger.growing.add(slot)
         placed = self.clock()
         pool.took(demand.priority, slot.reserved_blocks, placed)
         try:

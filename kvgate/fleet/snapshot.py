@@ -49,9 +49,7 @@ class ReplicaView(NamedTuple):
     kept_blocks: int  # of those, what only the critical class may use
     reserved_blocks: int  # on the shared ledger, by every instance
     exact_blocks: int  # of those, this instance's reservations of their worst case
-    # how far this instance's lower-class predicted reservations there are still expected to
-    # grow: the lower classes' limit leaves room for it where blocks are kept
-    pending_blocks: int
+    lower_blocks: int  # of those, this instance's reservations of the classes below critical
     shared_prefix_blocks: int
     inflight: int
     overcommit: float
@@ -110,19 +108,21 @@ class ReplicaView(NamedTuple):
         worst-case reservation holds all of it (this instance's: `exact_blocks`), so what
         the replica really holds, predicted / factor + exact, stays within the admissible
         blocks. Blocks kept for the critical class are not offered to the other classes,
-        unless the request's reservation could never fit without them; nor are the blocks
-        the lower classes' running answers are still expected to grow into, so that growth
-        stays out of the kept blocks too."""
+        unless the request's reservation could never fit without them. The lower classes'
+        answers still grow past their limit (growth is never refused: the tokens are being
+        written); the kept blocks then stay the critical class's on top of that overrun."""
         admissible = self.admissible_blocks
         if admissible is None:
             return None
-        pending = 0
-        if priority != "critical" and self.kept_blocks and blocks <= admissible - self.kept_blocks:
-            admissible -= self.kept_blocks
-            pending = self.pending_blocks
+        kept, overrun = self.kept_blocks, 0
+        if priority != "critical":
+            if blocks <= admissible - kept:
+                admissible -= kept
+        elif kept:
+            overrun = max(0, self.lower_blocks - self._scaled(admissible - kept))
         if predicted:
-            return self._scaled(admissible) - pending
-        return self._scaled(admissible - blocks) + blocks - pending
+            return self._scaled(admissible) + overrun
+        return self._scaled(admissible - blocks) + blocks + overrun
 
     def _scaled(self, admissible: int) -> int:
         """The ledger total at which the replica really holds `admissible` blocks."""
@@ -181,7 +181,7 @@ def take_snapshot(
     stale_after_s: float,
     reserved: Mapping[str, int],
     exact: Mapping[str, int] | None = None,
-    pending: Mapping[str, int] | None = None,
+    lower: Mapping[str, int] | None = None,
     shared_prefix_blocks: Callable[[str], int],
     circuit: Callable[[str], str],
     overcommit: Callable[[str], float],
@@ -212,7 +212,7 @@ def take_snapshot(
             kept_blocks=kept_blocks(admissible, config, critical(r.pool)),
             reserved_blocks=reserved.get(rid, 0),
             exact_blocks=exact.get(rid, 0) if exact else 0,
-            pending_blocks=pending.get(rid, 0) if pending else 0,
+            lower_blocks=lower.get(rid, 0) if lower else 0,
             shared_prefix_blocks=shared_prefix_blocks(rid), inflight=len(r.inflight),
             overcommit=factor,
             typical=typical[r.pool] if r.pool in typical else typical.setdefault(

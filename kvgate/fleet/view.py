@@ -34,9 +34,8 @@ class AdmissionFigures(Protocol):
         ...
 
     @property
-    def pending(self) -> Mapping[str, int]:
-        """Per replica, how far this instance's lower-class predicted reservations there are
-        still expected to grow."""
+    def lower(self) -> Mapping[str, int]:
+        """Of `reserved`, this instance's reservations of the classes below critical."""
         ...
 
     def shared_prefix_blocks(self, replica_id: str) -> int:
@@ -80,7 +79,7 @@ class FleetView:
             stale_after_s=config.discovery.stale_after_s,
             reserved=figures.reserved,
             exact=figures.exact,
-            pending=figures.pending,
+            lower=figures.lower,
             shared_prefix_blocks=figures.shared_prefix_blocks,
             circuit=circuits.state if circuits is not None else _closed,
             overcommit=figures.overcommit_factor,
