@@ -27,7 +27,7 @@ from conformance.traces import Trace, TraceRequest
 
 FIELDS = (
     "running", "waiting", "blocks_in_use", "preempted", "hits", "computed", "finished",
-    "free_queue",
+    "free_queue", "kv_events",
 )  # fmt: skip
 
 
@@ -50,6 +50,8 @@ class Replay:
     query_tokens: dict[str, int] = field(default_factory=dict)
     peak_blocks: dict[str, int] = field(default_factory=dict)
     max_block_gap: int = 0
+    # the KV cache events each side published, by kind ("stored" counts blocks)
+    kv_events: dict[str, Counter[str]] = field(default_factory=dict)
 
     @property
     def equal(self) -> bool:
@@ -86,6 +88,8 @@ def _differences(v: StepView, s: StepView) -> list[tuple[str, object, object]]:
         out.append(("computed", diff, None))
     if v.finished != s.finished:
         out.append(("finished", list(v.finished), list(s.finished)))
+    if v.kv_events != s.kv_events:
+        out.append(("kv_events", v.kv_events[:6], s.kv_events[:6]))
     if v.free_queue != s.free_queue:
         at = next((i for i, (a, b) in enumerate(zip(v.free_queue, s.free_queue, strict=False)) if a != b),
                   min(len(v.free_queue), len(s.free_queue)))  # fmt: skip
@@ -115,6 +119,7 @@ def replay(
         result.finish_order[side.name] = []
         result.preemptions[side.name] = 0
         result.peak_blocks[side.name] = 0
+        result.kv_events[side.name] = Counter()
     arrivals, aborts, last_event = events(trace)
     for step in range(trace.max_steps):
         for side in sides:
@@ -132,6 +137,8 @@ def replay(
             result.peak_blocks[side.name] = max(result.peak_blocks[side.name], view.blocks_in_use)
             result.hit_tokens[side.name] = view.hit_tokens
             result.query_tokens[side.name] = view.query_tokens
+            for kind, *blocks in view.kv_events:
+                result.kv_events[side.name][kind] += max(1, len(blocks))
         v, s = views
         result.max_block_gap = max(result.max_block_gap, abs(v.blocks_in_use - s.blocks_in_use))
         for name, vv, sv in _differences(v, s):

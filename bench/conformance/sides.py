@@ -45,6 +45,40 @@ class StepView:
     computed: Mapping[str, int]  # each unfinished request's computed tokens
     cached: Mapping[str, int]  # prompt tokens found in the prefix cache at first scheduling
     free_queue: tuple[int, ...]  # free block ids, next to be reused first (eviction order)
+    # the step's KV cache events, each block named by its content (ChainKeys), not its hash
+    kv_events: tuple[tuple[object, ...], ...] = ()
+
+
+class ChainKeys:
+    """Names each block an engine's KV events mention by what it holds: its tokens, chained
+    from its parent's, as a subscriber recomputes them (the engines' hashes differ: vLLM's
+    are sha256 of its own encoding, the simulator's Python's hash)."""
+
+    ROOT = 0
+
+    def __init__(self) -> None:
+        self._keys: dict[object, int] = {}
+
+    def view(self, events: Any) -> tuple[tuple[object, ...], ...]:
+        """Events (vLLM's classes or the simulator's: the same fields) as
+        ("stored", keys...), ("removed", keys...) or ("cleared",)."""
+        out: list[tuple[object, ...]] = []
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                parent = self.ROOT if event.parent_block_hash is None else self._keys[
+                    event.parent_block_hash]
+                size, keys = event.block_size, []
+                for i, block_hash in enumerate(event.block_hashes):
+                    parent = hash((parent, tuple(event.token_ids[i * size : (i + 1) * size])))
+                    self._keys[block_hash] = parent
+                    keys.append(parent)
+                out.append(("stored", *keys))
+            elif kind == "BlockRemoved":
+                out.append(("removed", *(self._keys.get(h) for h in event.block_hashes)))
+            else:
+                out.append(("cleared",))
+        return tuple(out)
 
 
 class Side(Protocol):
@@ -79,9 +113,11 @@ class SimSide:
                 max_num_batched_tokens=shape.max_num_batched_tokens,
                 enable_prefix_caching=shape.enable_prefix_caching,
                 scheduling_policy=shape.policy,
+                kv_events_config='{"enable_kv_cache_events": true}',  # recorded, not published
             )
         )
         self._now = 0.0
+        self._keys = ChainKeys()
 
     def add(self, request: TraceRequest, step: int) -> None:
         for child in child_ids(request):
@@ -114,6 +150,7 @@ class SimSide:
             computed={r.request_id: r.num_computed_tokens for r in live},
             cached={r.request_id: r.num_cached_tokens for r in live if r.num_cached_tokens >= 0},
             free_queue=tuple(pool.free_block_ids()),
+            kv_events=self._keys.view(pool.take_events()),
         )
 
     def idle(self) -> bool:
@@ -138,6 +175,13 @@ class VllmSide:
         self._stop: dict[str, int | None] = {}
         self._queries = self._hits = 0
         self._cached: dict[str, int] = {}
+        self._keys = ChainKeys()
+        self._published: list[Any] = []  # the batches vLLM's scheduler published, in order
+        self.scheduler.kv_event_publisher = _Capture(self._published)
+
+    def _kv_events(self) -> tuple[tuple[object, ...], ...]:
+        batches, self._published[:] = list(self._published), []
+        return self._keys.view([event for batch in batches for event in batch.events])
 
     def add(self, request: TraceRequest, step: int) -> None:
         from vllm.v1.request import Request
@@ -222,10 +266,24 @@ class VllmSide:
             computed={rid: r.num_computed_tokens for rid, r in requests.items()},
             cached={rid: self._cached[rid] for rid in requests if rid in self._cached},
             free_queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+            kv_events=self._kv_events(),
         )  # fmt: skip
 
     def idle(self) -> bool:
         return not self.scheduler.has_requests()
+
+
+class _Capture:
+    """Stands in for vLLM's event publisher: keeps the batches its scheduler publishes."""
+
+    def __init__(self, into: list[Any]) -> None:
+        self.into = into
+
+    def publish(self, batch: Any) -> None:
+        self.into.append(batch)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class AsyncVllmSide(VllmSide):

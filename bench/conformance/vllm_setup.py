@@ -20,6 +20,7 @@ import torch
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
@@ -97,6 +98,8 @@ def vllm_config(shape: EngineShape, *, asynchronous: bool = False) -> VllmConfig
         model_config=model,
         cache_config=cache,
         device_config=DeviceConfig(device="cpu"),
+        # its block pool records what it stores and evicts (the harness keeps the batches)
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )
 
 

@@ -78,6 +78,7 @@ def build_app(replica: SimReplica, runtime: EngineRuntime) -> web.Application:
             web.get("/health", api.health),
             web.post("/tokenize", api.tokenize),
             web.post("/detokenize", api.detokenize),
+            web.post("/reset_prefix_cache", api.reset_prefix_cache),
             web.get("/metrics", api.metrics),
             *control.routes(replica, runtime),
         ]
@@ -349,6 +350,11 @@ class OpenAIApi:
         except (KeyError, ValueError) as exc:
             raise ApiError(400, f"Invalid token ids: {exc}", "tokens") from exc
         return web.json_response({"prompt": text})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint: every cached prefix dropped (an AllBlocksCleared event), unless
+        a request still holds blocks ({"success": false})."""
+        return web.json_response({"success": self.runtime.reset_prefix_cache()})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.runtime.metrics.registry)

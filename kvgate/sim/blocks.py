@@ -8,6 +8,9 @@
   hash join the tail (LRU); freed blocks without one join the head, reused first.
 - A block is identified in the cache by a hash chained over its parent's hash and its own
   token ids, so one differing token changes that block and every block after it.
+- With KV events on (`events` a list), the pool records what vLLM's publishes: a
+  `BlockStored` for each run of blocks that filled, a `BlockRemoved` for each evicted hash,
+  `AllBlocksCleared` on a reset; the engine takes them after each step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvgate.sim.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
 # The chain starts from a fixed seed, as vLLM's NONE_HASH (a per-process constant).
 ROOT_HASH = 0x6B76_6761_7465
+# Hashes leave the simulator as unsigned 64-bit ids (vLLM's ExternalBlockHash of an int).
+_ID_MASK = (1 << 64) - 1
+
+
+def external(block_hash: int) -> int:
+    return block_hash & _ID_MASK
 
 
 def chain_hash(parent: int, token_ids: Sequence[int]) -> int:
@@ -53,7 +70,9 @@ class Block:
 class BlockPool:
     """Blocks, their reference counts, the LRU free queue and the hash → block map."""
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, enable_caching: bool = True, events: bool = False
+    ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
         self.num_gpu_blocks = num_gpu_blocks
@@ -64,6 +83,7 @@ class BlockPool:
         # A hash may map to several blocks when two requests computed the same prefix at once.
         self._cached: dict[int, dict[int, Block]] = {}
         self.evictions = 0
+        self.events: list[KVCacheEvent] | None = [] if events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -128,11 +148,51 @@ class BlockPool:
             self._free[block.block_id] = block
             self._free.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: Block, block_hash: int) -> None:
+    def cache(self, block: Block, block_hash: int) -> bool:
+        """Give a full block its hash; False if it had one (a prefix-cache hit) or caching
+        is off."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
+        return True
+
+    def cache_full(
+        self, blocks: Sequence[Block], hashes: Sequence[int], token_ids: Sequence[int],
+        start: int, end: int, block_size: int,
+    ) -> None:
+        """Cache a request's blocks `start` to `end` (full ones), and record the run of them
+        newly cached as one BlockStored, with its parent's hash and its tokens."""
+        stored = [i for i in range(start, end) if self.cache(blocks[i], hashes[i])]
+        if self.events is None or not stored:
+            return
+        first, last = stored[0], stored[-1] + 1
+        self.events.append(BlockStored(
+            block_hashes=[external(hashes[i]) for i in stored],
+            parent_block_hash=external(hashes[first - 1]) if first else None,
+            token_ids=list(token_ids[first * block_size : last * block_size]),
+            block_size=block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+        ))
+
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache: every hash dropped, if no request holds a block (else
+        nothing is done: False)."""
+        if len(self._free) != self.num_gpu_blocks - 1:
+            return False
+        for blocks in self._cached.values():
+            for block in blocks.values():
+                block.block_hash = None
+        self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (none while events are off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None
@@ -140,5 +200,8 @@ class BlockPool:
         del entries[block.block_id]
         if not entries:
             del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.append(BlockRemoved(block_hashes=[external(block.block_hash)],
+                                            medium=MEDIUM_GPU))
         block.block_hash = None
         self.evictions += 1

@@ -44,6 +44,8 @@ CONFIG_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of the output lengths and chance faults (0)"),
     "served_model_name": (str, "the model name clients must use (sim-model)"),
     "api_key": (str, "require 'Authorization: Bearer KEY' on /v1 paths"),
+    "kv_events_config": (str, "publish KV cache events, as vLLM's --kv-events-config JSON "
+                         "(endpoint tcp://*:0 picks a free port)"),
 }
 FAULT_FLAGS: dict[str, tuple[type, str]] = {
     "latency_s": (float, "seconds to wait before answering each /v1 request"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.sim.faults import Faults
+from kvgate.sim.kv_events import KVEventsConfig
 
 OUTPUT_LEN_DISTS = ("max", "uniform", "lognormal")
 
@@ -61,6 +62,8 @@ class SimConfig:
     seed: int = 0
     served_model_name: str = "sim-model"
     api_key: str | None = None
+    # vLLM's --kv-events-config, as JSON: publish what the prefix cache stores and evicts
+    kv_events_config: str | None = None
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
@@ -89,7 +92,13 @@ class SimConfig:
             dtype_bytes=self.kv_dtype_bytes,
         )
 
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events publisher's settings; None while events are off."""
+        return KVEventsConfig.parse(self.kv_events_config)
+
     def _validate(self) -> None:
+        self.kv_events  # noqa: B018 (raises ValueError naming what is wrong)
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

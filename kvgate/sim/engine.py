@@ -47,7 +47,8 @@ class Engine:
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching,
+                              events=config.kv_events is not None)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
@@ -270,8 +271,8 @@ class Engine:
         if num_new > 0:
             request.blocks.extend(self.pool.allocate(num_new))
         num_full = min(computed + n, request.num_tokens) // bs
-        for i in range(request.num_cached_blocks, num_full):
-            self.pool.cache(request.blocks[i], request.block_hashes[i])
+        self.pool.cache_full(request.blocks, request.block_hashes, request.token_ids,
+                             request.num_cached_blocks, num_full, bs)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
         return True
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from kvgate.sim.admission import AdmissionRejected, rejection
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
+from kvgate.sim.kv_events import Publisher
 from kvgate.sim.metrics import SimMetrics
 from kvgate.sim.reports import StepResult
 from kvgate.sim.request import FinishReason, SimRequest
@@ -122,6 +123,8 @@ class EngineRuntime:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_id = 0
+        events = config.kv_events
+        self.kv_events: Publisher | None = None if events is None else Publisher(events)
 
     def start(self) -> None:
         if self._task is None:
@@ -129,6 +132,8 @@ class EngineRuntime:
 
     async def close(self) -> None:
         """Stop stepping; every unfinished generation ends as aborted."""
+        if self.kv_events is not None:
+            await self.kv_events.close()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -199,6 +204,13 @@ class EngineRuntime:
             self.metrics.observe_finished(request)
         self._wake.set()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: False while a request holds blocks."""
+        done = self.engine.pool.reset()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.pool.take_events())
+        return done
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         engine, clock, scale = self.engine, self.clock, self.config.time_scale
@@ -223,6 +235,8 @@ class EngineRuntime:
         self.clock.busy()
 
     def _deliver(self, result: StepResult) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.pool.take_events())
         metrics = self.metrics
         metrics.observe_step(result)
         generations = self._generations

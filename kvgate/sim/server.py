@@ -51,6 +51,9 @@ class SimReplica:
         self._lifecycle = asyncio.Lock()
         self.host = "127.0.0.1"
         self.port = 0
+        # where the KV events are published (None: off), bound on the first start and kept
+        # across restarts, as the HTTP port is
+        self.kv_events_endpoints: dict[str, str] | None = None
         self.starts = 0
 
     # ------------------------------------------------------------------ accessors
@@ -177,6 +180,14 @@ class SimReplica:
             await site.start()
         except BaseException:
             await runner.cleanup()
+            raise
+        try:
+            if runtime.kv_events is not None:
+                await runtime.kv_events.open(self.kv_events_endpoints)
+                self.kv_events_endpoints = runtime.kv_events.bound
+        except BaseException:
+            await runner.cleanup()
+            await runtime.close()
             raise
         runtime.start()
         if self.port == 0:

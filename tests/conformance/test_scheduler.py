@@ -53,6 +53,10 @@ def test_the_named_traces_exercise_what_they_are_named_for() -> None:
     for name in ("shared_system_prompt", "n_gt_1", "prefix_eviction"):
         assert results[name].hit_tokens[vllm_side] > 0, name
     assert results["chunked_prefill"].peak_blocks[vllm_side] > 256  # long prompts in chunks
+    # KV events (compared step by step like the rest): blocks stored everywhere, evicted
+    # where the pool is too small for the prefixes
+    assert all(r.kv_events[vllm_side]["stored"] > 0 for r in results.values())
+    assert results["prefix_eviction"].kv_events[vllm_side]["removed"] >= 20
     seqs = TRACES["max_num_seqs"]
     assert len(seqs.requests) > seqs.shape.max_num_seqs
 
@@ -69,6 +73,25 @@ def test_the_harness_catches_a_simulator_that_admits_on_the_first_chunk() -> Non
     result = replay(trace, vllm, first_chunk_only)
     assert not result.equal
     assert result.preemptions["kvgate-sim"] > result.preemptions["vllm"] == 0
+
+
+def test_the_harness_catches_a_simulator_that_publishes_the_wrong_blocks() -> None:
+    """KV events compared step by step: a simulator whose BlockStored names the block after
+    the one it stored (an off-by-one in the token range) must differ."""
+    from kvgate.sim import blocks
+
+    class Shifted(blocks.BlockPool):
+        def cache_full(self, blocks_, hashes, token_ids, start, end, block_size):
+            super().cache_full(blocks_, hashes, [0, *token_ids], start, end, block_size)
+
+    def shifted(t: Trace) -> SimSide:
+        side = SimSide(t.shape)
+        pool = side.engine.pool
+        side.engine.pool = Shifted(pool.num_gpu_blocks, pool.enable_caching, events=True)
+        return side
+
+    result = replay(TRACES["shared_system_prompt"], vllm, shifted)
+    assert set(result.steps_differing()) == {"kv_events"}
 
 
 def test_the_harness_catches_a_simulator_that_preempts_the_newest_under_priority() -> None:
