@@ -172,6 +172,8 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extra: the reply prepended with the last message when their roles match
+    echo: StrictBool | None = None
 
     @model_validator(mode="after")
     def _together(self) -> ChatRequest:

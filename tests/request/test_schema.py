@@ -75,6 +75,8 @@ REFUSED: list[tuple[str, Endpoint, bytes, str]] = [
     ("completions-logprobs-bool", Endpoint.COMPLETIONS, completion(logprobs=True), "logprobs"),
     ("completions-logprobs-over-20", Endpoint.COMPLETIONS, completion(logprobs=21), "logprobs"),
     ("completions-echo-string", Endpoint.COMPLETIONS, completion(echo="no"), "echo"),
+    # vLLM's chat takes echo too (a bool): the fuzzer found a list forwarded
+    ("chat-echo-list", Endpoint.CHAT, chat(echo=[]), "echo"),
     ("completions-suffix-number", Endpoint.COMPLETIONS, completion(suffix=1), "suffix"),
     ("vllm-priority-raised-by-client", Endpoint.CHAT, chat(priority=-100), "priority"),
     ("vllm-priority-not-an-integer", Endpoint.CHAT, chat(priority="high"), "priority"),
@@ -117,6 +119,7 @@ ACCEPTED: list[tuple[str, Endpoint, bytes]] = [
      chat(temperature=None, stop=None, tools=None, tool_choice=None, seed=None)),
     ("completions", Endpoint.COMPLETIONS, completion(logprobs=5, echo=True, suffix="!")),
     ("vllm-priority-lowered-by-client", Endpoint.CHAT, chat(priority=3)),
+    ("chat-echo", Endpoint.CHAT, chat(echo=True)),
     ("nesting-254-levels-with-the-body", Endpoint.CHAT, chat(vendor_extension=nested(252))),
 ]
 
