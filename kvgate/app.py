@@ -30,6 +30,7 @@ from kvgate.fleet.discovery import discovery_loop, first_round_within
 from kvgate.fleet.dns import dns_loop
 from kvgate.fleet.drain import watch_drains
 from kvgate.fleet.health import STATE_VALUE, Breakers
+from kvgate.fleet.kv_events import KvEvents, kv_events_loop
 from kvgate.fleet.replicas import Registry
 from kvgate.fleet.snapshot import BASES
 from kvgate.fleet.view import FleetView
@@ -120,6 +121,7 @@ def build_app(
         router=Router(Deps(sessions, breakers, metrics)),
         breakers=breakers,
         view=FleetView(registry, admission, breakers),
+        kv_events=KvEvents(metrics),
     )
     app[GATEWAY] = gateway
     app[RELOADING] = asyncio.Lock()
@@ -142,6 +144,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             lambda: gateway.admission.after_discovery(gateway.registry), discovered,
         )),
         _task(dns_loop(gateway.registry, current)),
+        _task(kv_events_loop(gateway.kv_events, gateway.registry, current)),
         _task(watch_drains(gateway.store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),

@@ -30,6 +30,7 @@ from kvgate.config import Config, CurrentConfig, TenantConfig
 from kvgate.errors import NotFound
 from kvgate.exchange import Exchange
 from kvgate.fleet.health import Breakers
+from kvgate.fleet.kv_events import KvEvents
 from kvgate.fleet.replicas import Registry, Writing
 from kvgate.fleet.snapshot import Fleet
 from kvgate.fleet.view import FleetView
@@ -81,6 +82,7 @@ class Gateway:
     router: Router
     breakers: Breakers
     view: FleetView  # the one fleet snapshot: routing, admission, gauges, the admin view
+    kv_events: KvEvents  # what each replica really caches, from vLLM's KV cache events
     lengths: LengthModel = field(default_factory=LengthModel)
     # the upstream, once the event loop runs (`connect`): the HTTP transport, and the
     # transport attempts go through (judged for the breakers)

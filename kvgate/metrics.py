@@ -193,6 +193,31 @@ class Metrics:
             "kvgate_upstream_retries", "Requests sent to another replica after theirs failed "
             "before any byte reached the client, by reason.", ["pool", "reason"], registry=r,
         )
+        self.kv_events = Counter(
+            "kvgate_kv_events", "KV cache events read from each replica's vLLM, by kind "
+            "(stored, removed, cleared; unknown kinds and unreadable batches).",
+            ["replica", "kind"], registry=r,
+        )
+        self.kv_events_lag = Gauge(
+            "kvgate_kv_events_lag_seconds", "Wall-clock seconds between the replica publishing "
+            "its latest batch of KV cache events and kvgate applying it.", ["replica"],
+            registry=r,
+        )
+        self.kv_events_gaps = Counter(
+            "kvgate_kv_events_gaps", "Gaps in a replica's KV cache events: a sequence number "
+            "skipped (filled by a replay where it can be), or batches no longer in its replay "
+            "buffer.", ["replica"], registry=r,
+        )
+        self.kv_events_resets = Counter(
+            "kvgate_kv_events_resets", "Times a replica's block index was emptied and read "
+            "again: its sequence numbers went back (an engine restart), it failed its health "
+            "check, or it served requests while publishing nothing.", ["replica", "reason"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "kvgate_kv_index_blocks", "Distinct blocks the replica's KV cache events say it "
+            "holds.", ["replica"], registry=r,
+        )
         self.replica_rejections = Counter(
             "kvgate_replica_admission_rejections", "Requests a replica's vLLM refused as busy "
             "(503 at its queue limits), by vLLM's reason: sent elsewhere or queued again, never "

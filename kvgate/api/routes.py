@@ -200,6 +200,8 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "overcommit": view.overcommit,
             "inflight": view.inflight,
             "shared_prefix_blocks": view.shared_prefix_blocks,
+            # its KV cache events (None: its pool does not subscribe)
+            "kv_events": gateway.kv_events.describe(view.id),
             "vllm": None if view.scrape_age_s is None else {
                 "kv_usage": view.kv_usage, "running": view.running,
                 "waiting": view.waiting, "preemptions": view.preemptions,

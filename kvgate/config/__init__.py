@@ -33,6 +33,8 @@ from kvgate.config.schema import (
     Config,
     CurrentConfig,
     DnsConfig,
+    KvEventsConfig,
+    KvEventsEndpoints,
     ModelConfig,
     PoolConfig,
     ReplicaConfig,
@@ -47,7 +49,7 @@ from kvgate.config.schema import (
 __all__ = [
     "PRIORITY_CLASSES", "AdminConfig", "AdmissionConfig", "AuthConfig", "CalibrationConfig",
     "ChatTemplateConfig", "CircuitConfig", "Config", "ConfigError", "CurrentConfig",
-    "DiscoveryConfig", "DnsConfig", "ModelConfig", "PoolConfig", "PredictionConfig",
+    "DiscoveryConfig", "DnsConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
     "QueueConfig", "ReplicaConfig", "RetryConfig", "RoutingConfig", "ServerConfig",
     "SessionsConfig", "StateConfig", "TenantConfig", "TimeoutsConfig", "TokenizerConfig",
     "UpstreamConfig", "apply_overrides", "interpolate", "load_config", "masked",

@@ -99,6 +99,30 @@ class UpstreamConfig(Section):
     keepalive_s: PositiveFloat = 60.0
 
 
+class KvEventsEndpoints(Section):
+    """Where one replica publishes vLLM's KV cache events (its `--kv-events-config`
+    `endpoint` and `replay_endpoint`, with the replica's address for `*`)."""
+
+    endpoint: str = Field(pattern=r"^tcp://[^:/]+:\d+$")
+    replay_endpoint: str | None = Field(None, pattern=r"^tcp://[^:/]+:\d+$")
+
+
+class KvEventsConfig(Section):
+    """Subscribe to each replica's KV cache events (vLLM started with `--kv-events-config
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558", "topic": "kv"}'`): an index of the blocks each replica
+    holds. A replica's endpoints are its URL's host at `port` and `replay_port`, unless the
+    replica names its own."""
+
+    port: int = Field(5557, ge=1, le=65535)
+    replay_port: int | None = Field(5558, ge=1, le=65535)
+    topic: str = "kv"
+    # A replica that serves requests but has published nothing for this long, and one that
+    # fails its health check, lose their index (its cache may be gone with them).
+    silent_after_s: PositiveFloat = 30.0
+    replay_timeout_s: PositiveFloat = 2.0
+
+
 class ReplicaConfig(Section):
     url: str
     name: str | None = None
@@ -110,6 +134,8 @@ class ReplicaConfig(Section):
     # Take no new requests (in-flight ones finish; sessions bound here are rebound), as
     # `POST /admin/replicas/{id}/drain` does at run time.
     drain: bool = False
+    # Where it publishes KV cache events, if not at its pool's `kv_events` ports.
+    kv_events: KvEventsEndpoints | None = None
 
     _check_url = field_validator("url")(classmethod(lambda cls, v: _http_url(v)))
 
@@ -135,6 +161,8 @@ class PoolConfig(Section):
     min_worst_case_tokens: int = Field(0, ge=0)
     # Pool to try when this one has no healthy replica with capacity for the request.
     overflow_to: str | None = None
+    # Its replicas' KV cache events (None: not subscribed).
+    kv_events: KvEventsConfig | None = None
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:

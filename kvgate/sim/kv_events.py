@@ -112,7 +112,9 @@ class Publisher:
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
         self._ctx = zmq.asyncio.Context.instance()
-        self._pub: zmq.asyncio.Socket | None = None
+        # PUB is a plain socket: a send never blocks (past its high-water mark it drops), and
+        # an asyncio socket's send would leave a future per batch that nobody awaits
+        self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.asyncio.Socket | None = None
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
@@ -126,7 +128,7 @@ class Publisher:
         """Bind the sockets (`bound`: the endpoints a previous run bound, to bind the same
         ports again) and serve replays."""
         config, previous = self.config, bound or {}
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = zmq.Context.instance().socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.endpoint = await self._bind(self._pub, previous.get("endpoint", config.endpoint))
@@ -142,7 +144,7 @@ class Publisher:
             )
 
     @staticmethod
-    async def _bind(socket: zmq.asyncio.Socket, endpoint: str) -> str:
+    async def _bind(socket: zmq.Socket[bytes] | zmq.asyncio.Socket, endpoint: str) -> str:
         """Bind `endpoint` (port 0: a free one); the port a closed run of the engine held may
         take ZMQ's I/O thread a moment to let go of."""
         address = _bind_address(endpoint)

@@ -1,0 +1,486 @@
+"""What each replica really caches, from vLLM's KV cache events: a subscriber per replica and
+an index of the blocks it holds.
+
+A vLLM started with `--kv-events-config` publishes, after each engine step that changed its
+prefix cache, one batch on a ZMQ PUB socket (topic, 8-byte big-endian sequence number,
+msgpack) and keeps the recent batches for a ROUTER replay socket (`kvgate.sim.kv_events` is
+the simulator's publisher, checked against vLLM's classes). Here:
+
+- `decode_batch` reads a batch in either encoding producers use: events as tagged maps
+  (vLLM's msgspec structs today) or as arrays led by the tag (earlier producers).
+- `BlockIndex` is one replica's cache. The engine's block hashes are opaque ids: each block
+  is keyed by its content, its token ids chained from its parent's key (`block_keys`, which
+  a request's own tokens are keyed by too), so the key does not depend on vLLM's hash seed
+  or algorithm. It is bounded by the replica's own capacity.
+- `Sequencer` decides from sequence numbers: the next one is applied; a jump is a gap,
+  filled by a replay; a number that went back (the engine restarted and counts from 0
+  again) resets the index and replays from 0, unless it is a batch the replay brought
+  already, byte for byte (a duplicate).
+- `Subscriber` is the I/O: one SUB socket and, for replays, a DEALER on the replay socket.
+- `KvEvents` keeps a subscriber for every replica of a pool with `kv_events` configured, and
+  drops the index of a replica that fails its health check, leaves the fleet, or serves
+  requests while publishing nothing for `silent_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvgate.config import Config, KvEventsConfig
+from kvgate.fleet.replicas import Registry, Replica
+from kvgate.intervals import pause
+from kvgate.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+ROOT_KEY = 0  # the parent key of a prompt's first block
+END_SEQ = -1  # the replay socket's end marker
+RETRY_S = 1.0  # after a socket error, before subscribing again
+# The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
+FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
+    """The content key of every full block of `token_ids`, chained from `parent`'s."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
+class Event(NamedTuple):
+    kind: Literal["stored", "removed", "cleared"]
+    hashes: tuple[Hashable, ...] = ()
+    parent: Hashable | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+
+
+class Batch(NamedTuple):
+    ts: float
+    events: list[Event]
+    unknown: int  # events of a kind this reader does not know (skipped)
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """One published batch: an array (ts, events[, data_parallel_rank]) or a map, its events
+    as tagged maps or as arrays led by their tag. Raises ValueError on anything else."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, items = raw.get("ts"), raw.get("events")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, items = raw[0], raw[1]
+    else:
+        raise ValueError("a batch is (ts, events)")
+    if not isinstance(ts, int | float) or not isinstance(items, list):
+        raise ValueError("a batch is (ts, events)")
+    events, unknown = [], 0
+    for item in items:
+        if isinstance(item, dict):
+            tag, values = item.get("type"), item
+        elif isinstance(item, list) and item:
+            tag = item[0]
+            values = dict(zip(FIELDS.get(tag, ()), item[1:], strict=False))
+        else:
+            raise ValueError(f"an event is a map or an array, not {type(item).__name__}")
+        if tag not in FIELDS:
+            unknown += 1
+            continue
+        events.append(_event(tag, values))
+    return Batch(float(ts), events, unknown)
+
+
+def _event(tag: str, values: dict[str, Any]) -> Event:
+    kind = KINDS[tag]
+    if kind == "cleared":
+        return Event("cleared")
+    hashes = values.get("block_hashes")
+    if not isinstance(hashes, list) or not all(isinstance(h, int | bytes) for h in hashes):
+        raise ValueError(f"{tag}: block_hashes must be a list of ids")
+    if kind == "removed":
+        return Event("removed", tuple(hashes))
+    tokens, size = values.get("token_ids"), values.get("block_size")
+    if not isinstance(size, int) or size < 1 or not isinstance(tokens, list):
+        raise ValueError("BlockStored: token_ids and a block_size are required")
+    if len(tokens) != size * len(hashes):
+        raise ValueError("BlockStored: token_ids must fill its blocks")
+    parent = values.get("parent_block_hash")
+    return Event("stored", tuple(hashes), parent, tuple(tokens), size)
+
+
+class BlockIndex:
+    """One replica's cached blocks, as its events say: each engine hash's content key, held
+    once per stored block (a hash stored twice is removed twice), oldest first, at most
+    `capacity` hashes (the replica's own blocks)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[Hashable, int] = OrderedDict()  # engine hash -> content key
+        self._refs: Counter[Hashable] = Counter()  # engine hash -> blocks stored under it
+        self._held: Counter[int] = Counter()  # content key -> engine hashes holding it
+        self.orphans = 0  # stored blocks whose parent the index did not know (skipped)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def apply(self, event: Event) -> None:
+        if event.kind == "stored":
+            self._store(event)
+        elif event.kind == "removed":
+            for block_hash in event.hashes:
+                self._remove(block_hash)
+        else:
+            self.clear()
+
+    def _store(self, event: Event) -> None:
+        if event.parent is None:
+            parent = ROOT_KEY
+        elif (known := self._keys.get(event.parent)) is not None:
+            parent = known
+        else:  # its chain began before the index did: it cannot match a request's keys
+            self.orphans += len(event.hashes)
+            return
+        keys = block_keys(event.token_ids, event.block_size, parent)
+        for block_hash, key in zip(event.hashes, keys, strict=True):
+            if block_hash not in self._keys:
+                self._keys[block_hash] = key
+                self._held[key] += 1
+            self._refs[block_hash] += 1
+        while len(self._keys) > self.capacity:
+            oldest, key = self._keys.popitem(last=False)
+            del self._refs[oldest]
+            self._unhold(key)
+
+    def _remove(self, block_hash: Hashable) -> None:
+        if block_hash not in self._keys:
+            return
+        self._refs[block_hash] -= 1
+        if self._refs[block_hash] <= 0:
+            del self._refs[block_hash]
+            self._unhold(self._keys.pop(block_hash))
+
+    def _unhold(self, key: int) -> None:
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._refs.clear()
+        self._held.clear()
+
+    def holds(self, key: int) -> bool:
+        return key in self._held
+
+    def keys(self) -> frozenset[int]:
+        """Every content key held."""
+        return frozenset(self._held)
+
+    def leading(self, keys: Iterable[int]) -> int:
+        """How many of `keys`, from the first, the replica holds."""
+        count = 0
+        for key in keys:
+            if key not in self._held:
+                break
+            count += 1
+        return count
+
+
+Verdict = Literal["first", "apply", "gap", "regressed", "duplicate"]
+
+
+@dataclass(slots=True)
+class Sequencer:
+    """Where a batch's sequence number puts it: `last` applied, and the batches the latest
+    replay applied that the live stream may still bring (their payloads' digests): one of
+    those, byte for byte, is a duplicate; any other number at or below `last` means the
+    engine counts from 0 again."""
+
+    last: int | None = None
+    replayed: dict[int, int] = field(default_factory=dict)
+
+    def verdict(self, seq: int, digest: int) -> Verdict:
+        if self.last is None:
+            return "first"
+        if seq == self.last + 1:
+            return "apply"
+        if seq > self.last + 1:
+            return "gap"
+        if self.replayed.get(seq) == digest:
+            return "duplicate"
+        return "regressed"
+
+
+@dataclass(slots=True)
+class ReplicaEvents:
+    """What one replica's subscriber knows, for the index's readers and /admin/replicas."""
+
+    index: BlockIndex
+    sequencer: Sequencer = field(default_factory=Sequencer)
+    last_event_at: float | None = None  # monotonic, of the last batch applied
+    batches: int = 0
+    gaps: int = 0
+    resets: int = 0
+
+
+class Subscriber:
+    """One replica's events into its `ReplicaEvents`, until cancelled."""
+
+    def __init__(
+        self, replica_id: str, pool: str, endpoint: str, replay_endpoint: str | None,
+        settings: KvEventsConfig, state: ReplicaEvents, metrics: Metrics,
+    ) -> None:
+        self.replica_id, self.pool = replica_id, pool
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.settings, self.state, self.metrics = settings, state, metrics
+        self._ctx = zmq.asyncio.Context.instance()
+
+    async def run(self) -> None:
+        """Subscribe, and subscribe again after a socket error, until cancelled."""
+        while True:
+            try:
+                await self._subscribed()
+            except zmq.ZMQError as exc:
+                log.warning("KV events of %s (%s): %s", self.replica_id, self.endpoint, exc)
+            await asyncio.sleep(RETRY_S)
+
+    async def _subscribed(self) -> None:
+        socket = self._ctx.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        socket.connect(self.endpoint)
+        try:
+            while True:
+                frames = await socket.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                _, seq, payload = frames
+                await self.receive(int.from_bytes(seq, "big", signed=True), payload)
+        finally:
+            socket.close()
+
+    async def receive(self, seq: int, payload: bytes) -> None:
+        """One live batch: applied, or what its number says to do first."""
+        state = self.state
+        verdict = state.sequencer.verdict(seq, hash(payload))
+        if verdict == "duplicate":
+            return
+        if verdict == "apply":
+            state.sequencer.replayed.clear()  # the live stream is past what the replay brought
+            self._apply(seq, payload)
+            return
+        if verdict == "regressed":
+            self._reset("regressed")
+        start = 0 if verdict in ("first", "regressed") else (state.sequencer.last or 0) + 1
+        if verdict == "gap":
+            self._count_gap()
+        replayed = await self._replay(start)
+        if state.sequencer.last is None or state.sequencer.last < seq:
+            # the replay did not reach this batch (no replay socket, or it no longer had
+            # them): what it lacked is lost (a gap is counted once), and this batch is
+            # applied as it came
+            if verdict != "gap" and (replayed or (verdict == "regressed" and seq > start)):
+                self._count_gap()
+            self._apply(seq, payload)
+
+    async def _replay(self, start: int) -> int:
+        """Ask the replay socket for every batch from `start` and apply them; how many came."""
+        if self.replay_endpoint is None:
+            return 0
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.replay_endpoint)
+        count = 0
+        try:
+            await socket.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                async with asyncio.timeout(self.settings.replay_timeout_s):
+                    frames = await socket.recv_multipart()
+                if len(frames) != 4:
+                    continue
+                _, _, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == END_SEQ:
+                    return count
+                last = self.state.sequencer.last
+                if last is None or seq > last:
+                    if count == 0 and seq > start:  # the replica no longer had them all
+                        self._count_gap()
+                    self._apply(seq, payload)
+                    self.state.sequencer.replayed[seq] = hash(payload)
+                    count += 1
+        except TimeoutError:
+            log.warning("KV events of %s: replay from %d timed out", self.replica_id, start)
+            return count
+        finally:
+            socket.close()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        state, metrics, labels = self.state, self.metrics, (self.replica_id,)
+        try:
+            batch = decode_batch(payload)
+        except ValueError as exc:
+            log.warning("KV events of %s: batch %d not read: %s", self.replica_id, seq, exc)
+            metrics.kv_events.labels(self.replica_id, "unreadable").inc()
+            batch = Batch(time.time(), [], 0)
+        for event in batch.events:
+            state.index.apply(event)
+            metrics.kv_events.labels(self.replica_id, event.kind).inc()
+        if batch.unknown:
+            metrics.kv_events.labels(self.replica_id, "unknown").inc(batch.unknown)
+        state.sequencer.last = seq
+        state.last_event_at = time.monotonic()
+        state.batches += 1
+        metrics.kv_events_lag.labels(*labels).set(max(0.0, time.time() - batch.ts))
+        metrics.kv_index_blocks.labels(*labels).set(len(state.index))
+
+    def _reset(self, reason: str) -> None:
+        self.state.index.clear()
+        self.state.sequencer = Sequencer()
+        self.state.resets += 1
+        self.metrics.kv_events_resets.labels(self.replica_id, reason).inc()
+
+    def _count_gap(self) -> None:
+        self.state.gaps += 1
+        self.metrics.kv_events_gaps.labels(self.replica_id).inc()
+
+
+def endpoints_of(replica: Replica, settings: KvEventsConfig) -> tuple[str, str | None]:
+    """Where `replica` publishes: its own `kv_events` endpoints, else its URL's host at the
+    pool's ports."""
+    own = replica.config.kv_events
+    if own is not None:
+        return own.endpoint, own.replay_endpoint
+    host = urlsplit(replica.url).hostname or "localhost"
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    replay = None if settings.replay_port is None else f"tcp://{host}:{settings.replay_port}"
+    return f"tcp://{host}:{settings.port}", replay
+
+
+@dataclass(slots=True)
+class _Running:
+    subscriber: Subscriber
+    task: asyncio.Task[None]
+    where: tuple[str, str | None, KvEventsConfig]
+
+
+class KvEvents:
+    """A subscriber for every replica whose pool has `kv_events`, and each one's index."""
+
+    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self._running: dict[str, _Running] = {}
+        self.states: dict[str, ReplicaEvents] = {}
+
+    def index(self, replica_id: str) -> BlockIndex | None:
+        """The replica's index, while it can be trusted; None without one."""
+        state = self.states.get(replica_id)
+        return None if state is None or state.sequencer.last is None else state.index
+
+    def sync(self, registry: Iterable[Replica], config: Config) -> None:
+        """Start, restart and stop subscribers to match the fleet and its config; drop the
+        index of a replica that failed its health check or has gone silent while serving."""
+        wanted: dict[str, tuple[Replica, tuple[str, str | None, KvEventsConfig]]] = {}
+        for replica in registry:
+            pool = config.pools.get(replica.pool)
+            settings = None if pool is None else pool.kv_events
+            if settings is not None:
+                wanted[replica.id] = (replica, (*endpoints_of(replica, settings), settings))
+        for replica_id in [r for r in self._running if r not in wanted]:
+            self._stop(replica_id)
+            self.states.pop(replica_id, None)
+        now = self.clock()
+        for replica_id, (replica, where) in wanted.items():
+            running = self._running.get(replica_id)
+            if running is not None and running.where != where:
+                self._stop(replica_id)
+                running = None
+            state = self.states.get(replica_id)
+            if state is not None and self._untrusted(replica, state, where[2], now):
+                self._stop(replica_id)
+                reason = "silent" if replica.healthy else "unhealthy"
+                self.metrics.kv_events_resets.labels(replica_id, reason).inc()
+                state = running = None
+            if state is None:
+                state = self.states[replica_id] = ReplicaEvents(
+                    BlockIndex(replica.num_gpu_blocks or 1 << 20))
+            if running is None and replica.healthy:
+                endpoint, replay, settings = where
+                subscriber = Subscriber(replica_id, replica.pool, endpoint, replay, settings,
+                                        state, self.metrics)
+                task = asyncio.get_running_loop().create_task(
+                    subscriber.run(), name=f"kv-events-{replica_id}")
+                self._running[replica_id] = _Running(subscriber, task, where)
+        for replica_id, state in self.states.items():
+            self.metrics.kv_index_blocks.labels(replica_id).set(len(state.index))
+
+    def _untrusted(
+        self, replica: Replica, state: ReplicaEvents, settings: KvEventsConfig, now: float
+    ) -> bool:
+        if not replica.healthy:
+            return state.sequencer.last is not None or replica.id in self._running
+        silent_since = state.last_event_at
+        return bool(replica.inflight) and silent_since is not None and (
+            now - silent_since > settings.silent_after_s)
+
+    def _stop(self, replica_id: str) -> None:
+        running = self._running.pop(replica_id, None)
+        if running is not None:
+            running.task.cancel()
+        state = self.states.get(replica_id)
+        if state is not None:
+            state.index.clear()
+            self.states.pop(replica_id)
+
+    async def close(self) -> None:
+        tasks = [r.task for r in self._running.values()]
+        for replica_id in list(self._running):
+            self._stop(replica_id)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def describe(self, replica_id: str) -> dict[str, Any] | None:
+        """For /admin/replicas: None where the replica's pool has no events."""
+        state = self.states.get(replica_id)
+        if state is None:
+            return None
+        age = None if state.last_event_at is None else round(self.clock() - state.last_event_at, 3)
+        return {"subscribed": replica_id in self._running, "last_seq": state.sequencer.last,
+                "blocks": len(state.index), "batches": state.batches, "gaps": state.gaps,
+                "resets": state.resets, "last_event_age_s": age}
+
+
+async def kv_events_loop(
+    events: KvEvents, registry: Registry, current: Callable[[], Config]
+) -> None:
+    """Keep the subscribers in step with the fleet each discovery interval, until cancelled."""
+    try:
+        while True:
+            events.sync(registry, current())
+            await pause(lambda: current().discovery.interval_s)
+    finally:
+        await events.close()

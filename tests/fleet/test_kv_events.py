@@ -1,0 +1,320 @@
+"""The KV events subscriber and its block index: decoding both encodings, keys recomputed from
+token ids, and recovery — a gap replayed, an engine restart (sequence numbers from 0 again)
+reset and replayed, a kvgate restart replayed from 0, an unhealthy or silent replica dropped —
+against the simulator's real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
+from kvgate.fleet.kv_events import (
+    ROOT_KEY,
+    BlockIndex,
+    Event,
+    KvEvents,
+    ReplicaEvents,
+    Sequencer,
+    Subscriber,
+    block_keys,
+    decode_batch,
+    endpoints_of,
+)
+from kvgate.fleet.replicas import Replica
+from kvgate.metrics import Metrics
+from kvgate.sim import kv_events as sim_events
+from kvgate.sim.server import SimReplica
+from tests.plugins.waiting import eventually
+from tests.sim.test_kv_events import PROMPT, SIM, complete, replay, tokens
+
+SETTINGS = KvEventsConfig(replay_timeout_s=2.0)
+
+
+def stored(hashes: list[int], tokens_: list[int], parent: int | None = None) -> Event:
+    return Event("stored", tuple(hashes), parent, tuple(tokens_), 2)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def test_a_batch_decodes_with_its_events_as_maps_or_as_arrays():
+    as_maps = msgspec.msgpack.encode(sim_events.KVEventBatch(ts=5.0, events=[
+        sim_events.BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                               block_size=2, lora_id=None, medium="GPU", lora_name=None),
+        sim_events.BlockRemoved(block_hashes=[8], medium="GPU"),
+        sim_events.AllBlocksCleared(),
+    ]))  # fmt: skip
+    # earlier producers: every event an array led by its tag, the batch a map
+    as_arrays = msgspec.msgpack.encode({"ts": 5.0, "events": [
+        ["BlockStored", [7, 8], None, [1, 2, 3, 4], 2, None, "GPU"],
+        ["BlockRemoved", [8], "GPU"],
+        ["AllBlocksCleared"],
+    ]})  # fmt: skip
+    expected = [Event("stored", (7, 8), None, (1, 2, 3, 4), 2), Event("removed", (8,)),
+                Event("cleared")]
+    for payload in (as_maps, as_arrays):
+        batch = decode_batch(payload)
+        assert (batch.ts, batch.events, batch.unknown) == (5.0, expected, 0)
+
+
+def test_unknown_event_kinds_are_skipped_and_malformed_batches_refused():
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [{"type": "BlockMoved", "x": 1}]]))
+    assert (batch.events, batch.unknown) == ([], 1)
+    for bad in (b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode([1.0, [7]]),
+                msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, 2, 3], 2]]])):
+        with pytest.raises(ValueError):
+            decode_batch(bad)
+
+
+# --------------------------------------------------------------------------- the index
+
+
+def test_blocks_are_keyed_by_their_tokens_chained_from_the_parent_whatever_the_hashes():
+    index = BlockIndex(capacity=100)
+    index.apply(stored([101, 102], [1, 2, 3, 4]))
+    index.apply(stored([103], [5, 6], parent=102))  # the next block of the same prompt
+    request = block_keys([1, 2, 3, 4, 5, 6, 9, 9], 2)
+    assert index.leading(request) == 3  # its first three blocks are held
+    assert index.leading(block_keys([1, 2, 9, 9, 5, 6], 2)) == 1  # one token differs
+    other = BlockIndex(capacity=100)  # another engine, other hashes: the same keys
+    other.apply(stored([9001, 9002, 9003], [1, 2, 3, 4, 5, 6]))
+    assert other.keys() == index.keys()
+
+
+def test_a_removed_block_stops_counting_and_a_hash_stored_twice_is_removed_twice():
+    index = BlockIndex(capacity=100)
+    index.apply(stored([101, 102], [1, 2, 3, 4]))
+    index.apply(stored([101], [1, 2]))  # a second block with the same hash
+    index.apply(Event("removed", (101,)))
+    assert index.leading(block_keys([1, 2, 3, 4], 2)) == 2
+    index.apply(Event("removed", (101,)))
+    assert index.leading(block_keys([1, 2, 3, 4], 2)) == 0
+    index.apply(Event("cleared"))
+    assert len(index) == 0
+
+
+def test_a_block_whose_parent_is_unknown_is_not_guessed_and_the_index_is_bounded():
+    index = BlockIndex(capacity=3)
+    index.apply(stored([5], [7, 7], parent=999))
+    assert (len(index), index.orphans) == (0, 1)
+    index.apply(stored([1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]))
+    assert len(index) == 3 and not index.holds(block_keys([1, 2], 2)[0])  # the oldest went
+    assert ROOT_KEY == 0
+
+
+def test_sequence_numbers_say_apply_gap_duplicate_or_restarted():
+    seq = Sequencer()
+    assert seq.verdict(5, 0) == "first"
+    seq.last = 5
+    assert [seq.verdict(n, 0) for n in (6, 9, 5, 0)] == ["apply", "gap", "regressed", "regressed"]
+    seq.last, seq.replayed = 12, {10: 111, 11: 222, 12: 333}  # a replay brought 10..12
+    assert [seq.verdict(n, d) for n, d in ((11, 222), (12, 333), (13, 0))] == [
+        "duplicate", "duplicate", "apply"]
+    # a restarted engine's batch 11 is not the one the replay brought: the engine restarted
+    assert seq.verdict(11, 999) == "regressed"
+
+
+# --------------------------------------------------------------------------- against the sim
+
+
+async def started(replica: SimReplica, state: ReplicaEvents | None = None) -> tuple[
+    Subscriber, ReplicaEvents, asyncio.Task[None]
+]:
+    endpoints = replica.kv_events_endpoints
+    assert endpoints is not None
+    state = state or ReplicaEvents(BlockIndex(replica.config.num_gpu_blocks))
+    subscriber = Subscriber("a", "default", endpoints["endpoint"], endpoints["replay_endpoint"],
+                            SETTINGS, state, Metrics())
+    return subscriber, state, asyncio.create_task(subscriber.run())
+
+
+async def stopped(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def rebuilt(batches: list[tuple[int, Any]], capacity: int) -> BlockIndex:
+    """The index that every batch the replica buffers gives, applied in order."""
+    index = BlockIndex(capacity)
+    for _, payload in batches:
+        for event in decode_batch(payload).events:
+            index.apply(event)
+    return index
+
+
+async def caught_up(replica: SimReplica, state: ReplicaEvents) -> None:
+    async def done() -> bool:
+        batches = await replay(replica)
+        return bool(batches) and state.sequencer.last == batches[-1][0]
+
+    await eventually(done, timeout_s=5, what="the subscriber caught up")
+
+
+async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory):
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        _, state, task = await started(replica)
+        try:
+            await complete(http, replica, PROMPT)
+            await caught_up(replica, state)
+            ids = await tokens(http, replica, PROMPT)
+            assert state.index.leading(block_keys(ids, 16)) == len(ids) // 16
+            for i in range(12):  # others push the prompt's blocks out of a 63-block pool
+                await complete(http, replica, f"topic {i} " + PROMPT)
+            await caught_up(replica, state)
+            assert state.index.leading(block_keys(ids, 16)) == 0
+            expected = rebuilt(await replay(replica, raw=True), replica.config.num_gpu_blocks)
+            assert state.index.keys() == expected.keys() and len(expected) > 0
+            assert (state.gaps, state.resets) == (0, 0)
+        finally:
+            await stopped(task)
+
+
+async def test_a_subscriber_that_starts_late_replays_from_zero(sim_factory):
+    """A kvgate restart: the replica has been publishing; a new subscriber's first batch
+    sets off a replay of everything still buffered, parents included."""
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            await complete(http, replica, f"before {i} " + PROMPT)
+        _, state, task = await started(replica)
+        try:
+            for i in range(10):  # a SUB socket joins late: publish until it hears
+                await complete(http, replica, f"after {i} " + PROMPT)
+                if state.sequencer.last is not None:
+                    break
+            await caught_up(replica, state)
+            ids = await tokens(http, replica, "before 0 " + PROMPT)
+            assert state.index.leading(block_keys(ids, 16)) == len(ids) // 16
+            expected = rebuilt(await replay(replica, raw=True), replica.config.num_gpu_blocks)
+            assert state.index.keys() == expected.keys()
+        finally:
+            await stopped(task)
+
+
+async def test_an_engine_restart_resets_the_index_and_replays_from_zero(sim_factory):
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        _, state, task = await started(replica)
+        try:
+            for i in range(10):
+                await complete(http, replica, f"{i} " + PROMPT)
+            await caught_up(replica, state)
+            old = await tokens(http, replica, "9 " + PROMPT)  # the latest: still cached
+            assert state.index.leading(block_keys(old, 16)) > 0
+            await replica.restart()  # a new engine: an empty cache, sequence numbers from 0
+            for i in range(100):  # the SUB socket reconnects by itself (in a few hundred ms)
+                await complete(http, replica, f"fresh {i} " + PROMPT)
+                if state.resets:
+                    break
+                await asyncio.sleep(0.05)
+            await caught_up(replica, state)
+            assert state.resets == 1
+            assert state.index.leading(block_keys(old, 16)) == 0  # nothing stale is left
+            expected = rebuilt(await replay(replica, raw=True), replica.config.num_gpu_blocks)
+            assert state.index.keys() == expected.keys()
+        finally:
+            await stopped(task)
+
+
+async def test_a_gap_is_filled_from_the_replay_socket(sim_factory):
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        for i in range(4):
+            await complete(http, replica, f"{i} " + PROMPT)
+    batches = await replay(replica, raw=True)
+    assert len(batches) >= 3
+    subscriber, state, task = await started(replica)
+    await stopped(task)  # fed by hand below: batch 1 never arrives live
+    await subscriber.receive(*batches[0])  # first: replays everything from 0
+    assert state.sequencer.last == batches[-1][0]
+    state.index.clear()
+    state.sequencer = Sequencer()
+    state.sequencer.last = 0
+    for event in decode_batch(batches[0][1]).events:
+        state.index.apply(event)
+    await subscriber.receive(*batches[2])  # 1 is missing: replayed from 1
+    assert state.gaps == 1 and state.sequencer.last == batches[-1][0]
+    assert state.index.keys() == rebuilt(batches, replica.config.num_gpu_blocks).keys()
+    await subscriber.receive(*batches[-1])  # live again, already applied: a duplicate
+    assert state.gaps == 1 and state.resets == 0
+
+
+async def test_without_a_replay_socket_a_gap_is_counted_and_the_batch_still_applied(
+    sim_factory
+):
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            await complete(http, replica, f"{i} " + PROMPT)
+    batches = await replay(replica, raw=True)
+    state = ReplicaEvents(BlockIndex(64))
+    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
+    await subscriber.receive(*batches[0])
+    await subscriber.receive(*batches[2])
+    assert state.gaps == 1 and state.sequencer.last == batches[2][0]
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+def test_a_replicas_endpoints_are_its_own_or_its_hosts_at_the_pools_ports():
+    def of(url: str, **kw: Any) -> Replica:
+        return Replica(config=ReplicaConfig(url=url, **kw), pool="p", healthy=True)
+
+    assert endpoints_of(of("http://gpu-a:8000"), SETTINGS) == (
+        "tcp://gpu-a:5557", "tcp://gpu-a:5558")
+    assert endpoints_of(of("http://[fd00::1]:8000"), KvEventsConfig(replay_port=None)) == (
+        "tcp://[fd00::1]:5557", None)
+    own = KvEventsEndpoints(endpoint="tcp://10.0.0.5:6000")
+    assert endpoints_of(of("http://gpu-a:8000", kv_events=own), SETTINGS) == (
+        "tcp://10.0.0.5:6000", None)
+
+
+async def test_the_fleet_drops_the_index_of_a_replica_that_fails_or_goes_silent(sim_factory):
+    replica = await sim_factory(**SIM)
+    endpoints = replica.kv_events_endpoints
+    assert endpoints is not None
+    r = Replica(config=ReplicaConfig(url=replica.url, name="a", num_gpu_blocks=64,
+                                     kv_events=KvEventsEndpoints(**endpoints)),
+                pool="default", healthy=True)  # fmt: skip
+    config = parse_config({"pools": {"default": {
+        "replicas": [{"url": replica.url, "name": "a"}], "kv_events": {"silent_after_s": 5}}}})
+    now = [0.0]
+    events = KvEvents(Metrics(), clock=lambda: now[0])
+    try:
+        events.sync([r], config)
+        async with aiohttp.ClientSession() as http:
+            for i in range(10):
+                await complete(http, replica, f"{i} " + PROMPT)
+                if events.index("a") is not None:
+                    break
+        assert events.index("a") is not None and events.describe("a")["subscribed"]
+        r.healthy = False
+        events.sync([r], config)
+        assert events.index("a") is None and not events.describe("a")["subscribed"]
+        r.healthy = True
+        events.sync([r], config)
+        assert events.describe("a")["subscribed"]
+        events.states["a"].last_event_at = 0.0
+        events.states["a"].sequencer.last = 3
+        r.inflight["x"] = None  # type: ignore[assignment]  # it serves, and publishes nothing
+        now[0] = 6.0
+        events.sync([r], config)
+        assert events.index("a") is None
+        events.sync([], config)  # it left the fleet
+        assert events.describe("a") is None
+    finally:
+        await events.close()
+
+
+def test_the_endpoints_config_is_checked():
+    with pytest.raises(ValueError, match="endpoint"):
+        KvEventsEndpoints(endpoint="gpu-a:5557")
+    assert json.loads(KvEventsConfig().model_dump_json())["port"] == 5557
