@@ -103,6 +103,7 @@ def build_app(
     admission = Admission(store, metrics, current, keeper)
     sessions = Sessions(store, metrics)
     prompts = PromptStage(metrics)
+    kv_events = KvEvents(metrics)
     breakers = Breakers(
         current,
         on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
@@ -118,10 +119,10 @@ def build_app(
         store=store,
         metrics=metrics,
         calibration=Calibration(),
-        router=Router(Deps(sessions, breakers, metrics)),
+        router=Router(Deps(sessions, breakers, metrics, kv_events)),
         breakers=breakers,
         view=FleetView(registry, admission, breakers),
-        kv_events=KvEvents(metrics),
+        kv_events=kv_events,
     )
     app[GATEWAY] = gateway
     app[RELOADING] = asyncio.Lock()

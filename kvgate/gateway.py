@@ -159,6 +159,7 @@ class Gateway:
             # the normalized system prompt and tools; else the first message's text
             prefix=x.fingerprint or x.demand.prefix_key,
             holder=x.info.key,  # a half-open replica's trial is claimed by this request
+            token_ids=x.count.token_ids,
         )
         x.payload = upstream_payload(x.parsed, x.bound, None if x.edited else x.raw)
 

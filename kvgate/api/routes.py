@@ -200,8 +200,12 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "overcommit": view.overcommit,
             "inflight": view.inflight,
             "shared_prefix_blocks": view.shared_prefix_blocks,
-            # its KV cache events (None: its pool does not subscribe)
+            # its KV cache events (None: its pool does not subscribe), and so what prefix
+            # routing knows of its cache: the blocks it holds, or the prompt's fingerprint
             "kv_events": gateway.kv_events.describe(view.id),
+            "prefix_source": (
+                "kv_events" if gateway.kv_events.index(view.id) is not None else "fingerprint"
+            ),
             "vllm": None if view.scrape_age_s is None else {
                 "kv_usage": view.kv_usage, "running": view.running,
                 "waiting": view.waiting, "preemptions": view.preemptions,

@@ -175,10 +175,18 @@ class TokenizerConfig(Section):
     kind: Literal["tiktoken", "huggingface"] = "tiktoken"
     encoding: str = "cl100k_base"
     file: Path | None = None
+    # tiktoken only: special tokens beyond the encoding's own, as a tokenizer.json's added
+    # tokens: a rendered chat template's "<|im_start|>" is then one id, as vLLM sees it
+    # (cl100k_im's ChatML markers: {"<|im_start|>": 100264, "<|im_end|>": 100265}).
+    special_tokens: dict[str, int] = {}
     # The model's chat template: a tokenizer_config.json (its `chat_template`) or a .jinja file.
     # For a huggingface tokenizer, the tokenizer_config.json beside `file` is used if present.
     # With it, chat prompts are counted exactly as vLLM renders them.
     template_file: Path | None = None
+
+    def __hash__(self) -> int:  # loaded tokenizers are shared by equal configs
+        return hash((self.kind, self.encoding, self.file, self.template_file,
+                     tuple(sorted(self.special_tokens.items()))))
 
 
 class ChatTemplateConfig(Section):

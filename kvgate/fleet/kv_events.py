@@ -57,11 +57,17 @@ FIELDS = {
 KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
 
 
+def chain_key(parent: int, tokens: Sequence[int]) -> int:
+    """The content key of one block: its tokens, after its parent's key. (Python's hash of a
+    tuple of ints is the same in every process: no hash randomization for ints.)"""
+    return hash((parent, tuple(tokens)))
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
     """The content key of every full block of `token_ids`, chained from `parent`'s."""
     keys = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        parent = chain_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
 

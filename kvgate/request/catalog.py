@@ -222,7 +222,7 @@ class Catalog:
             if t not in tokenizers:
                 tokenizer = loaded.get(t)
                 if tokenizer is None:
-                    tokenizer = load_tokenizer(t.kind, t.encoding, t.file)
+                    tokenizer = load_tokenizer(t.kind, t.encoding, t.file, t.special_tokens)
                 tokenizers[t] = tokenizer
             if t not in templates:
                 path = template_path(t)

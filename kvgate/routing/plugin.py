@@ -40,6 +40,7 @@ from kvgate.routing.route import Route
 
 if TYPE_CHECKING:
     from kvgate.fleet.health import Breakers
+    from kvgate.fleet.kv_events import KvEvents
     from kvgate.metrics import Metrics
     from kvgate.routing.sessions import Sessions
 
@@ -66,6 +67,7 @@ class Deps:
     sessions: Sessions
     breakers: Breakers
     metrics: Metrics
+    kv_events: KvEvents | None = None  # what each replica caches, where its events are read
 
 
 class Plugin(Generic[P]):

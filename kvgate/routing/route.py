@@ -14,3 +14,6 @@ class Route:
     prefix: str | None = None  # fingerprint of the prompt's leading part (system prompt, tools)
     exclude: frozenset[str] = frozenset()  # replicas that already failed this request
     holder: str | None = None  # the request, as the circuit breaker knows it (its trial's)
+    # the prompt's token ids as vLLM will see them, where kvgate knows them exactly: what
+    # precise prefix routing looks up in the replicas' KV-event indexes
+    token_ids: tuple[int, ...] | None = None

@@ -111,18 +111,23 @@ async def test_large_prompts_are_counted_off_the_event_loop():
             seen.append(threading.current_thread() is threading.main_thread())
             return [0] * (len(text) // 4)
 
+        encode_prompt = encode
+
     counter = PromptCounter(Recording())
     await counter.count_prompt("x" * 100)
     await counter.count_prompt("x" * (OFF_LOOP_CHARS + 1))
-    assert seen == [True, False]
+    assert seen == [True, True, False, False]  # its count and its token ids
 
 
 async def test_completions_prompts_are_counted_per_prompt(tiktoken_tokenizer):
     counter = PromptCounter(tiktoken_tokenizer)
     ids = await counter.count_prompt([1, 2, 3, 4])
-    assert ids.features == Features(4, 0, 1)
+    assert ids.features == Features(4, 0, 1) and ids.token_ids == (1, 2, 3, 4)
     several = await counter.count_prompt(["hello world", "hello"])
     assert several.features == Features(3, 0, 2) and several.longest == Features(2, 0, 1)
+    assert several.token_ids is None  # several sequences: no one prompt to route by
+    text = await counter.count_prompt("hello world")
+    assert text.token_ids == tuple(tiktoken_tokenizer.encode("hello world"))
     batch = await counter.count_prompt([[1, 2, 3], [4], "hello world"])
     assert batch.features == Features(6, 0, 3) and batch.longest == Features(3, 0, 1)
 

@@ -1,12 +1,22 @@
 """Requests sharing a prompt prefix meet on few replicas, without overloading one: consistent
-hashing with bounded load (Mirrokni, Thorup and Zadimoghaddam, 2018).
+hashing with bounded load (Mirrokni, Thorup and Zadimoghaddam, 2018); and where the replicas'
+KV cache events say what each one holds, the replicas that hold the most of the prompt.
 
-Each prefix orders the candidates by rendezvous hash — the same order on every instance, and
-only the prefixes of a replica that leaves or joins move. The first replica in that order
-within its bounded share (`kvgate.routing.bounded`) scores 1; the rest score 0, as do all
-candidates of a request with no prefix key. Once served, a request with a prefix key is
-counted in `kvgate_prefix_routes_total` by whether it ran on that replica ("preferred") or
-not ("elsewhere").
+**Precise**, when the request's token ids are known exactly (`Route.token_ids`: a chat
+rendered with the model's template, or one completions prompt) and some candidate has a
+KV-event index (`kvgate.fleet.kv_events`): each candidate within its bounded share
+(`kvgate.routing.bounded`) scores the leading blocks of the prompt it holds, over the most any
+candidate holds (1 for the best); a replica beyond its share scores 0, whatever it holds. A
+prompt no candidate holds any block of falls through to the fingerprint, so that it still
+lands where the next request like it will look.
+
+**Fingerprint** otherwise: each prefix (the normalized system prompt and tools) orders the
+candidates by rendezvous hash — the same order on every instance, and only the prefixes of a
+replica that leaves or joins move. The first replica in that order within its bounded share
+scores 1; the rest score 0, as do all candidates of a request with no prefix key.
+
+Once served, a request with a prefix key is counted in `kvgate_prefix_routes_total` by
+whether it ran on its favourite ("preferred") or not ("elsewhere").
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgate.config import RoutingConfig
+from kvgate.fleet.kv_events import ROOT_KEY, BlockIndex, chain_key
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.bounded import BoundedLoad, within_bound
 from kvgate.routing.plugin import Plugin
@@ -64,13 +75,42 @@ class PrefixAffinity(Plugin[BoundedLoad]):
     async def score(
         self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: BoundedLoad
     ) -> list[float]:
+        blocks = max((route.demand.blocks_on(v.replica) for v in candidates), default=0)
+        precise = self._precise(route, candidates, blocks, params)
+        if precise is not None:
+            return precise
         if route.prefix is None:
             return [0.0] * len(candidates)
-        blocks = max((route.demand.blocks_on(v.replica) for v in candidates), default=0)
         choice = preferred(
             route.prefix, candidates, blocks, params.load_factor, params.load_floor
         )
         return [1.0 if choice is not None and view.id == choice.id else 0.0 for view in candidates]
+
+    def _precise(
+        self, route: Route, candidates: Sequence[ReplicaView], blocks: int, params: BoundedLoad
+    ) -> list[float] | None:
+        """Scores by cached leading blocks; None where they do not apply or none is held."""
+        events = self.deps.kv_events
+        if route.token_ids is None or events is None:
+            return None
+        indexes = [events.index(view.id) for view in candidates]
+        if not any(index is not None for index in indexes):
+            return None
+        keys: dict[int, LazyKeys] = {}
+        held = []
+        for view, index in zip(candidates, indexes, strict=True):
+            if index is None or not within_bound(
+                view, candidates, blocks, params.load_factor, params.load_floor
+            ):
+                held.append(0)
+                continue
+            size = view.block_size
+            chain = keys.get(size) or keys.setdefault(size, LazyKeys(route.token_ids, size))
+            held.append(chain.leading(index))
+        best = max(held)
+        if best == 0:
+            return None
+        return [h / best for h in held]
 
     async def served(
         self, route: Route, ranking: Ranking, favourite: str | None, replica_id: str,
@@ -80,3 +120,29 @@ class PrefixAffinity(Plugin[BoundedLoad]):
         if route.prefix is not None:
             where = "preferred" if favourite == replica_id else "elsewhere"
             self.deps.metrics.prefix_routes.labels(route.demand.pool, where).inc()
+
+
+class LazyKeys:
+    """A prompt's block keys (`kvgate.fleet.kv_events.block_keys`), made only as far as some
+    replica holds them: a long prompt that no replica holds past its system prompt costs a
+    few hashes, not one per block."""
+
+    __slots__ = ("_keys", "_size", "_tokens")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
+        self._tokens, self._size = token_ids, block_size
+        self._keys: list[int] = []
+
+    def leading(self, index: BlockIndex) -> int:
+        """How many of the prompt's leading blocks `index` holds."""
+        count, keys, size, tokens = 0, self._keys, self._size, self._tokens
+        while True:
+            if count == len(keys):
+                start = count * size
+                if start + size > len(tokens):
+                    return count
+                parent = keys[-1] if keys else ROOT_KEY
+                keys.append(chain_key(parent, tokens[start : start + size]))
+            if not index.holds(keys[count]):
+                return count
+            count += 1

@@ -5,7 +5,10 @@
   (`kvgate.routing.bounded`); otherwise — a new session, or one whose replica is gone or over
   its share — the first replica in the session key's own hash order within its share. New
   sessions so spread evenly, and every instance sends the first turns of one session to the
-  same replica before any binding exists. Requests without a session key score 0 everywhere:
+  same replica before any binding exists. A session with no replica yet whose prompt the
+  replicas' KV cache events can place (`Route.token_ids`, and an index for some candidate)
+  scores 0 everywhere: where its prompt is cached beats an arbitrary hash, and the
+  prefix scorer knows where that is. Requests without a session key score 0 everywhere:
   the other scorers decide.
 - pick: when the replica it scored is the one the session is bound to (its cache is there),
   the request is held for that replica for `affinity_wait_s` before the others may take it.
@@ -73,11 +76,18 @@ class SessionAffinity(Plugin[SessionParams]):
             choice, candidates, blocks, params.load_factor, params.load_floor
         ):
             choice = None
+        if choice is None and bound is None and self._placed_by_cache(route, candidates):
+            return [0.0] * len(candidates)
         if choice is None:
             choice = preferred(
                 route.session_key, candidates, blocks, params.load_factor, params.load_floor
             )
         return [1.0 if choice is not None and v.id == choice.id else 0.0 for v in candidates]
+
+    def _placed_by_cache(self, route: Route, candidates: Sequence[ReplicaView]) -> bool:
+        events = self.deps.kv_events
+        return route.token_ids is not None and events is not None and any(
+            events.index(v.id) is not None for v in candidates)
 
     async def pick(
         self, route: Route, ranking: Ranking, favourite: str | None, params: SessionParams

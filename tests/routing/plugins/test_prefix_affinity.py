@@ -3,10 +3,14 @@ requests with a prefix ran."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvgate.config import RoutingConfig
+from kvgate.fleet.kv_events import BlockIndex, Event, KvEvents, ReplicaEvents
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
 from kvgate.routing.plugins.prefix_affinity import PrefixAffinity, hash_order, preferred
+from kvgate.routing.route import Route
 from kvgate.routing.router import Router
 from tests.routing.fleets import deps, fleet, replica, route
 
@@ -67,3 +71,64 @@ async def test_a_served_request_with_a_prefix_is_counted_preferred_or_elsewhere(
     count = metrics.prefix_routes.labels
     assert count("p", "preferred")._value.get() == 1
     assert count("p", "elsewhere")._value.get() == 2
+
+
+# --------------------------------------------------------------------------- precise (KV events)
+
+
+def indexed(held: dict[str, list[int]]) -> KvEvents:
+    """KV events whose index for each replica holds the blocks of the given token ids (block
+    size 16, as the fleets' replicas)."""
+    events = KvEvents(Metrics())
+    for replica_id, tokens in held.items():
+        state = events.states[replica_id] = ReplicaEvents(BlockIndex(10_000))
+        state.sequencer.last = 0  # it has heard from the replica: its index is trusted
+        if tokens:
+            state.index.apply(Event("stored", tuple(range(len(tokens) // 16)), None,
+                                    tuple(tokens[: len(tokens) // 16 * 16]), 16))
+    return events
+
+
+DOCUMENT = list(range(1000, 1000 + 16 * 8))  # eight blocks
+
+
+def precise_route(tokens: list[int], prefix: str | None = "sys") -> Route:
+    base = route(prefix=prefix)
+    return Route(base.demand, prefix=base.prefix, token_ids=tuple(tokens))
+
+
+async def test_with_kv_events_the_replica_holding_most_of_the_prompt_scores_highest():
+    f = fleet(replica("a"), replica("b"), replica("c"))
+    events = indexed({"a": DOCUMENT[:16 * 2], "b": DOCUMENT, "c": []})
+    plugin = PrefixAffinity(replace(deps(), kv_events=events))
+    question = DOCUMENT + [7] * 40  # the document, then this user's question
+    assert await plugin.score(precise_route(question), list(f), f, PARAMS) == [0.25, 1.0, 0.0]
+
+
+async def test_a_replica_beyond_its_bounded_share_scores_nothing_whatever_it_holds():
+    f = fleet(replica("a"), replica("b"), replica("c"), reserved={"b": 900, "a": 10, "c": 10})
+    events = indexed({"a": DOCUMENT[:16 * 2], "b": DOCUMENT, "c": []})
+    plugin = PrefixAffinity(replace(deps(), kv_events=events))
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [1.0, 0.0, 0.0]
+
+
+async def test_without_token_ids_events_or_any_block_held_the_fingerprint_decides():
+    f = fleet(replica("a"), replica("b"), replica("c"))
+    fingerprint = await PrefixAffinity(deps()).score(route(prefix="sys"), list(f), f, PARAMS)
+    events = indexed({"a": [], "b": [], "c": []})  # subscribed, but nobody holds this prompt
+    plugin = PrefixAffinity(replace(deps(), kv_events=events))
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == fingerprint
+    held = PrefixAffinity(replace(deps(), kv_events=indexed({"b": DOCUMENT})))
+    assert await held.score(route(prefix="sys"), list(f), f, PARAMS) == fingerprint  # no ids
+    assert await PrefixAffinity(deps()).score(precise_route(DOCUMENT), list(f), f, PARAMS) == (
+        fingerprint)  # no events at all
+
+
+async def test_an_evicted_prefix_stops_attracting_its_requests_with_the_event_that_evicts_it():
+    f = fleet(replica("a"), replica("b"))
+    events = indexed({"a": [], "b": DOCUMENT})
+    plugin = PrefixAffinity(replace(deps(), kv_events=events))
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [0.0, 1.0]
+    events.states["b"].index.apply(Event("removed", tuple(range(8))))  # one batch: all evicted
+    events.states["a"].index.apply(Event("stored", (50, 51), None, tuple(DOCUMENT[:32]), 16))
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [1.0, 0.0]

@@ -68,3 +68,23 @@ async def test_a_replica_that_served_the_request_becomes_the_sessions_binding():
     await router.served(route(session="chat"), ranking, "a", CONFIG, 404)
     assert await store.lookup(Sessions.store_key("chat")) == "a"
     assert metrics.session_routes.labels("new", "unbound")._value.get() == 1
+
+
+async def test_a_new_session_whose_prompt_the_kv_events_can_place_leaves_it_to_them():
+    """Where its prompt is cached beats the session key's hash; a bound session keeps its
+    replica (its cache is there)."""
+    from dataclasses import replace
+
+    from kvgate.routing.route import Route
+    from tests.routing.plugins.test_prefix_affinity import DOCUMENT, indexed
+
+    store = MemoryStore()
+    f = fleet(replica("a"), replica("b"))
+    scorer = SessionAffinity(replace(deps(store), kv_events=indexed({"a": DOCUMENT, "b": []})))
+    base = route(session="s1")
+    placed = Route(base.demand, session_key="s1", token_ids=tuple(DOCUMENT))
+    assert await scorer.score(placed, list(f), f, PARAMS) == [0.0, 0.0]
+    assert sum(await scorer.score(base, list(f), f, PARAMS)) == 1.0  # no token ids: its hash
+    await store.bind(Sessions.store_key("s2"), "b", 60)
+    bound = Route(base.demand, session_key="s2", token_ids=tuple(DOCUMENT))
+    assert await scorer.score(bound, list(f), f, PARAMS) == [0.0, 1.0]
