@@ -1,8 +1,17 @@
-"""Prefix-cache hit rate of multi-turn chats through kvgate's router, against round robin.
+"""Prefix-cache hit rate of chats through kvgate's router, against round robin and vllm-router.
 
-Each chat opens with its own short document (`--doc-words`) under one short shared system
-prompt, then asks `--turns` questions, resending the whole history each turn as chat clients
-do. Simulated replicas (real sockets, in this process) count their own prefix-cache hits; the
+Two workloads (`--workload`):
+- `chats` (the default): each chat opens with its own short document (`--doc-words`) under one
+  short shared system prompt, then asks `--turns` questions, resending the whole history each
+  turn as chat clients do.
+- `rag`: a few dozen long documents (`--documents`, `--doc-words` each), each asked about by
+  many users in chats of their own (`--chats` in all, starting at random over `--spread-s`;
+  each picks a document at random and asks `--turns` questions), under one shared system prompt: every chat has the same fingerprint,
+  so only what the replicas really cache can tell them apart.
+
+`kvgate-events` is kvgate with the replicas' KV cache events (`pools.<name>.kv_events`) and
+the simulator's chat template and markers (`config/sim-chatml.jinja`), so it knows each chat's
+token ids and routes by the blocks each replica holds; `kvgate` routes by the fingerprint. Simulated replicas (real sockets, in this process) count their own prefix-cache hits; the
 figure is theirs: vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total over the
 fleet, read from each replica's /metrics. Contenders run on fresh replicas, in alternating
 order, `--repeats` times; the ratio is taken within each repeat.
@@ -19,7 +28,8 @@ that the chats load them and the bound matters.
 `vllm-router` (the Rust router from PyPI, `pip install -e '.[bench]'`) runs as a process in
 front of the same simulated replicas with its cache_aware policy, when it is installed.
 
-    .venv/bin/python bench/affinity.py [--replicas 4] [--chats 128] [--turns 4] [--repeats 3]
+    .venv/bin/python bench/affinity.py [--workload chats|rag] [--documents 24] [--replicas 4]
+        [--chats 128] [--turns 4] [--doc-words 60] [--repeats 3]
         [--contenders kvgate round_robin ...] [--seed 0] [--json FILE]
 """
 
@@ -58,7 +68,16 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
     "round_robin": {"scorers": {"round_robin": 1.0}},
     "least_loaded": {"scorers": {"least_loaded": 1.0}},
     "vllm-router-cache_aware": None,
+    "kvgate-events": {},
+    "kvgate-events-load_factor-1": {"load_factor": 1.0},
 }
+# kvgate contenders that read the replicas' KV cache events (and know the chats' token ids)
+WITH_EVENTS = {"kvgate-events", "kvgate-events-load_factor-1"}
+EVENTS = orjson.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                       "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}).decode()
+ROOT = Path(__file__).resolve().parents[1]
+SIM_TOKENIZER = {"kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
+                 "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}
 BLOCK = 16
 LARGEST_REQUEST_BLOCKS = 64  # a late turn's prompt and its answer, about
 SYSTEM = "You are a careful analyst. Answer from the document; say so when it does not say."
@@ -114,22 +133,64 @@ async def converse(
     return ok, failed
 
 
+async def ask(
+    http: aiohttp.ClientSession, url: str, chat: int, turns: int, doc_words: int, seed: int,
+    documents: int, spread_s: float, think_s: float = 0.05,
+    latencies: list[float] | None = None,
+) -> tuple[int, int]:
+    """One user's chat about one of the shared documents (RAG), starting at a random moment
+    of the first `spread_s` seconds: (requests ok, failures)."""
+    rng = random.Random(seed * 10_007 + chat)
+    await asyncio.sleep(rng.uniform(0, spread_s))
+    doc = rng.randrange(documents)
+    text = document(random.Random(seed * 7_919 + doc), doc_words)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document {doc}:\n{text}\n\n"
+                                    f"Question: what does it say of {rng.choice(WORDS)}?"},
+    ]
+    ok = failed = 0
+    for turn in range(turns):
+        await asyncio.sleep(rng.expovariate(1 / think_s))
+        body = {"model": "sim-model", "messages": messages, "max_tokens": 160}
+        sent = time.monotonic()
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            raw = await resp.read()
+        if latencies is not None:
+            latencies.append(time.monotonic() - sent)
+        if resp.status != 200:
+            failed += 1
+            continue
+        ok += 1
+        reply = orjson.loads(raw)["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": f"And {rng.choice(WORDS)}? ({turn})"}]
+    return ok, failed
+
+
 async def run_once(
     contender: str, *, replicas: int, chats: int, turns: int, doc_words: int, seed: int,
-    time_scale: float = 0.02, sim: dict[str, Any] | None = None,
+    time_scale: float = 0.02, sim: dict[str, Any] | None = None, workload: str = "chats",
+    documents: int = 24, spread_s: float = 8.0,
 ) -> Result:
+    events = contender in WITH_EVENTS
+    extra = {"kv_events_config": EVENTS} if events else {}
     sims = [SimReplica(SimConfig(**{"num_gpu_blocks": 1024, "max_model_len": 8192,
                                     "time_scale": time_scale, "seed": seed + i,
-                                    "output_len_dist": "uniform", **(sim or {})}))
+                                    "output_len_dist": "uniform", **extra, **(sim or {})}))
             for i in range(replicas)]
     for s in sims:
         await s.start()
+    entries = [{"url": s.url, "name": f"r{i}",
+                **({"kv_events": s.kv_events_endpoints} if events else {})}
+               for i, s in enumerate(sims)]
     tree: dict[str, Any] = {
-        "pools": {"default": {"replicas": [{"url": s.url, "name": f"r{i}"}
-                                           for i, s in enumerate(sims)]}},
+        "pools": {"default": {"replicas": entries, **({"kv_events": {}} if events else {})}},
         "discovery": {"interval_s": 0.2},
         "admission": {"queue": {"max_wait_s": 60}},
     }
+    if events:
+        tree["models"] = [{"name": "sim-model", "tokenizer": SIM_TOKENIZER}]
     routing = CONTENDERS[contender]
     if routing:
         tree["routing"] = routing
@@ -150,9 +211,14 @@ async def run_once(
             started = time.monotonic()
             samples: list[list[int]] = []
             latencies: list[float] = []
-            work = asyncio.gather(*(converse(http, url, c, turns, doc_words, seed,
-                                             latencies=latencies)
-                                    for c in range(chats)))
+            if workload == "rag":
+                work = asyncio.gather(*(ask(http, url, c, turns, doc_words, seed, documents,
+                                            spread_s, latencies=latencies)
+                                        for c in range(chats)))
+            else:
+                work = asyncio.gather(*(converse(http, url, c, turns, doc_words, seed,
+                                                 latencies=latencies)
+                                        for c in range(chats)))
             task = asyncio.ensure_future(work)
             while not task.done():
                 samples.append([gateway.admission.reserved.get(f"r{i}", 0)
@@ -267,7 +333,8 @@ async def main(args: argparse.Namespace) -> list[Result]:
         for contender in order:
             result = await run_once(contender, replicas=args.replicas, chats=args.chats,
                                     turns=args.turns, doc_words=args.doc_words,
-                                    seed=args.seed + repeat)
+                                    seed=args.seed + repeat, workload=args.workload,
+                                    documents=args.documents, spread_s=args.spread_s)
             results.append(result)
             print(f"repeat {repeat} {contender:>13}: hit rate {result.hit_rate:.3f}  "
                   f"over bound {result.over_bound:.2f} (any time {result.over_bound_any_time:.2f})"
@@ -301,6 +368,10 @@ def summary(results: list[Result], contenders: list[str]) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=["chats", "rag"], default="chats")
+    parser.add_argument("--documents", type=int, default=24, help="rag: shared documents")
+    parser.add_argument("--spread-s", type=float, default=8.0,
+                        help="rag: the chats start at random over this many seconds")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--chats", type=int, default=128)
     parser.add_argument("--turns", type=int, default=4)

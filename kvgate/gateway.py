@@ -200,6 +200,7 @@ class Gateway:
         replica.inflight[x.info.key] = Writing(
             x.slot.progress, demand.prefix_key, demand.prefix_tokens
         )
+        self.kv_events.expect(replica.id, x.route.token_ids, replica.kv_block_size)
         try:
             x.response = await self.transport.send(self.upstream_request(x))
             return await deliver(

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 ROOT_KEY = 0  # the parent key of a prompt's first block
 END_SEQ = -1  # the replay socket's end marker
+# A prompt sent to a replica counts as cached there this long, or until its events say so:
+# a burst of requests for one new document would otherwise all be placed before the first
+# one's blocks are published, each on whichever replica its fingerprint picks.
+EXPECTED_S = 10.0
+EXPECTED_BLOCKS = 2048  # of a prompt's leading blocks, at most, are expected
 RETRY_S = 1.0  # after a socket error, before subscribing again
 # The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
 FIELDS = {
@@ -70,6 +75,31 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY
         parent = chain_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
+
+
+class LazyKeys:
+    """A prompt's block keys (`block_keys`), made only as far as some replica holds them: a
+    long prompt that no replica holds past its system prompt costs a few hashes, not one per
+    block."""
+
+    __slots__ = ("_keys", "size", "tokens")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
+        self.tokens, self.size = token_ids, block_size
+        self._keys: list[int] = []
+
+    def leading(self, holds: Callable[[int], bool]) -> int:
+        """How many of the prompt's leading blocks are held, by `holds(key)`."""
+        count, keys, size, tokens = 0, self._keys, self.size, self.tokens
+        while True:
+            if count == len(keys):
+                start = count * size
+                if start + size > len(tokens):
+                    return count
+                keys.append(chain_key(keys[-1] if keys else ROOT_KEY, tokens[start : start + size]))
+            if not holds(keys[count]):
+                return count
+            count += 1
 
 
 class Event(NamedTuple):
@@ -244,6 +274,21 @@ class ReplicaEvents:
 
     index: BlockIndex
     sequencer: Sequencer = field(default_factory=Sequencer)
+    # the block keys of prompts sent there lately: cached, as far as routing is concerned,
+    # before their BlockStored events arrive; (until when, keys) in the order sent
+    expected: Counter[int] = field(default_factory=Counter)
+    expiries: deque[tuple[float, list[int]]] = field(default_factory=deque)
+
+    def holds(self, key: int) -> bool:
+        return self.index.holds(key) or key in self.expected
+
+    def forget_expected(self, now: float | None = None) -> None:
+        """Drop the expectations that ran out by `now` (all of them: None)."""
+        while self.expiries and (now is None or self.expiries[0][0] < now):
+            for key in self.expiries.popleft()[1]:
+                self.expected[key] -= 1
+                if self.expected[key] <= 0:
+                    del self.expected[key]
     last_event_at: float | None = None  # monotonic, of the last batch applied
     batches: int = 0
     gaps: int = 0
@@ -352,6 +397,8 @@ class Subscriber:
             batch = Batch(time.time(), [], 0)
         for event in batch.events:
             state.index.apply(event)
+            if event.kind == "cleared":
+                state.forget_expected()
             metrics.kv_events.labels(self.replica_id, event.kind).inc()
         if batch.unknown:
             metrics.kv_events.labels(self.replica_id, "unknown").inc(batch.unknown)
@@ -363,6 +410,7 @@ class Subscriber:
 
     def _reset(self, reason: str) -> None:
         self.state.index.clear()
+        self.state.forget_expected()
         self.state.sequencer = Sequencer()
         self.state.resets += 1
         self.metrics.kv_events_resets.labels(self.replica_id, reason).inc()
@@ -405,6 +453,25 @@ class KvEvents:
         """The replica's index, while it can be trusted; None without one."""
         state = self.states.get(replica_id)
         return None if state is None or state.sequencer.last is None else state.index
+
+    def cached_blocks(self, replica_id: str, prompt: LazyKeys) -> int | None:
+        """How many of the prompt's leading blocks the replica holds, or is about to (a
+        prompt sent there in the last EXPECTED_S); None where its index is not trusted."""
+        state = self.states.get(replica_id)
+        if state is None or state.sequencer.last is None:
+            return None
+        state.forget_expected(self.clock())
+        return prompt.leading(state.holds)
+
+    def expect(self, replica_id: str, token_ids: tuple[int, ...] | None, block_size: int) -> None:
+        """A prompt is being sent to the replica: count its blocks as cached there until its
+        events arrive (or EXPECTED_S)."""
+        state = self.states.get(replica_id)
+        if state is None or not token_ids:
+            return
+        keys = block_keys(token_ids[: EXPECTED_BLOCKS * block_size], block_size)
+        state.expected.update(keys)
+        state.expiries.append((self.clock() + EXPECTED_S, keys))
 
     def sync(self, registry: Iterable[Replica], config: Config) -> None:
         """Start, restart and stop subscribers to match the fleet and its config; drop the

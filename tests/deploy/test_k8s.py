@@ -115,3 +115,17 @@ def test_kvgate_reaches_every_vllm_pod_and_the_redis_service_by_name():
     env = {e["name"]: e["value"] for e in container("Deployment", "kvgate")["env"]}
     redis = one("Service", "redis")["spec"]["ports"][0]["port"]
     assert env["REDIS_URL"] == f"redis://redis:{redis}/0"
+
+
+def test_kvgate_subscribes_to_the_kv_events_each_vllm_pod_publishes():
+    import json
+
+    args = container("Deployment", "vllm")["args"]
+    flag = json.loads(args[args.index("--kv-events-config") + 1])
+    (pool,) = kvgate_config().pools.values()
+    assert pool.kv_events is not None and flag["enable_kv_cache_events"] is True
+    assert flag["publisher"] == "zmq" and flag["topic"] == pool.kv_events.topic
+    assert flag["endpoint"] == f"tcp://*:{pool.kv_events.port}"
+    assert flag["replay_endpoint"] == f"tcp://*:{pool.kv_events.replay_port}"
+    ports = {p["containerPort"] for p in container("Deployment", "vllm")["ports"]}
+    assert {pool.kv_events.port, pool.kv_events.replay_port} <= ports

@@ -179,7 +179,7 @@ async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory)
 async def test_a_subscriber_that_starts_late_replays_from_zero(sim_factory):
     """A kvgate restart: the replica has been publishing; a new subscriber's first batch
     sets off a replay of everything still buffered, parents included."""
-    replica = await sim_factory(**SIM)
+    replica = await sim_factory(**{**SIM, "num_gpu_blocks": 512})  # nothing evicted here
     async with aiohttp.ClientSession() as http:
         for i in range(3):
             await complete(http, replica, f"before {i} " + PROMPT)
@@ -318,3 +318,24 @@ def test_the_endpoints_config_is_checked():
     with pytest.raises(ValueError, match="endpoint"):
         KvEventsEndpoints(endpoint="gpu-a:5557")
     assert json.loads(KvEventsConfig().model_dump_json())["port"] == 5557
+
+
+def test_a_prompt_just_sent_counts_as_cached_until_its_events_come_or_it_expires():
+    """A burst for one new document: the first request's blocks are not published before the
+    next is placed, so a prompt sent to a replica counts as cached there for EXPECTED_S."""
+    from kvgate.fleet.kv_events import EXPECTED_S, LazyKeys
+
+    now = [0.0]
+    events = KvEvents(Metrics(), clock=lambda: now[0])
+    state = events.states["a"] = ReplicaEvents(BlockIndex(100))
+    prompt = tuple(range(64))  # four blocks of 16
+    assert events.cached_blocks("a", LazyKeys(prompt, 16)) is None  # not heard from yet
+    state.sequencer.last = 0
+    events.expect("a", prompt[:48], 16)
+    assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 3
+    now[0] = EXPECTED_S + 1  # its events never came: an expectation, not a fact
+    assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 0
+    events.expect("a", prompt, 16)
+    state.index.apply(Event("cleared"))  # as a batch with AllBlocksCleared would
+    state.forget_expected()
+    assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 0 and not state.expected

@@ -5,7 +5,8 @@ KV cache events say what each one holds, the replicas that hold the most of the 
 **Precise**, when the request's token ids are known exactly (`Route.token_ids`: a chat
 rendered with the model's template, or one completions prompt) and some candidate has a
 KV-event index (`kvgate.fleet.kv_events`): each candidate within its bounded share
-(`kvgate.routing.bounded`) scores the leading blocks of the prompt it holds, over the most any
+(`kvgate.routing.bounded`) scores the leading blocks of the prompt it holds — or is about to:
+prompts sent there in the last seconds count before their events arrive — over the most any
 candidate holds (1 for the best); a replica beyond its share scores 0, whatever it holds. A
 prompt no candidate holds any block of falls through to the fingerprint, so that it still
 lands where the next request like it will look.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.kv_events import ROOT_KEY, BlockIndex, chain_key
+from kvgate.fleet.kv_events import LazyKeys
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.bounded import BoundedLoad, within_bound
 from kvgate.routing.plugin import Plugin
@@ -93,20 +94,21 @@ class PrefixAffinity(Plugin[BoundedLoad]):
         events = self.deps.kv_events
         if route.token_ids is None or events is None:
             return None
-        indexes = [events.index(view.id) for view in candidates]
-        if not any(index is not None for index in indexes):
-            return None
         keys: dict[int, LazyKeys] = {}
-        held = []
-        for view, index in zip(candidates, indexes, strict=True):
-            if index is None or not within_bound(
+        held: list[int] = []
+        known = False
+        for view in candidates:
+            size = view.block_size
+            prompt = keys.get(size) or keys.setdefault(size, LazyKeys(route.token_ids, size))
+            cached = events.cached_blocks(view.id, prompt)
+            known = known or cached is not None
+            if cached is None or not within_bound(
                 view, candidates, blocks, params.load_factor, params.load_floor
             ):
-                held.append(0)
-                continue
-            size = view.block_size
-            chain = keys.get(size) or keys.setdefault(size, LazyKeys(route.token_ids, size))
-            held.append(chain.leading(index))
+                cached = 0
+            held.append(cached)
+        if not known:
+            return None
         best = max(held)
         if best == 0:
             return None
@@ -121,28 +123,3 @@ class PrefixAffinity(Plugin[BoundedLoad]):
             where = "preferred" if favourite == replica_id else "elsewhere"
             self.deps.metrics.prefix_routes.labels(route.demand.pool, where).inc()
 
-
-class LazyKeys:
-    """A prompt's block keys (`kvgate.fleet.kv_events.block_keys`), made only as far as some
-    replica holds them: a long prompt that no replica holds past its system prompt costs a
-    few hashes, not one per block."""
-
-    __slots__ = ("_keys", "_size", "_tokens")
-
-    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
-        self._tokens, self._size = token_ids, block_size
-        self._keys: list[int] = []
-
-    def leading(self, index: BlockIndex) -> int:
-        """How many of the prompt's leading blocks `index` holds."""
-        count, keys, size, tokens = 0, self._keys, self._size, self._tokens
-        while True:
-            if count == len(keys):
-                start = count * size
-                if start + size > len(tokens):
-                    return count
-                parent = keys[-1] if keys else ROOT_KEY
-                keys.append(chain_key(parent, tokens[start : start + size]))
-            if not index.holds(keys[count]):
-                return count
-            count += 1
