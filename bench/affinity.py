@@ -43,6 +43,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,23 +115,8 @@ async def converse(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Document {chat}:\n{document(rng, doc_words)}\n\nSummarize it."},
     ]
-    ok = failed = 0
-    for turn in range(turns):
-        await asyncio.sleep(rng.expovariate(1 / think_s))  # the user reads, then types
-        body = {"model": "sim-model", "messages": messages, "max_tokens": 160}
-        sent = time.monotonic()
-        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-            raw = await resp.read()
-        if latencies is not None:
-            latencies.append(time.monotonic() - sent)
-        if resp.status != 200:
-            failed += 1
-            continue
-        ok += 1
-        reply = orjson.loads(raw)["choices"][0]["message"]["content"]
-        messages = [*messages, {"role": "assistant", "content": reply},
-                    {"role": "user", "content": f"Question {turn}: what about {rng.choice(WORDS)}?"}]
-    return ok, failed
+    return await talk(http, url, messages, turns, rng, think_s, latencies,
+                      lambda turn: f"Question {turn}: what about {rng.choice(WORDS)}?")
 
 
 async def ask(
@@ -149,9 +135,20 @@ async def ask(
         {"role": "user", "content": f"Document {doc}:\n{text}\n\n"
                                     f"Question: what does it say of {rng.choice(WORDS)}?"},
     ]
+    return await talk(http, url, messages, turns, rng, think_s, latencies,
+                      lambda turn: f"And {rng.choice(WORDS)}? ({turn})")
+
+
+async def talk(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], turns: int,
+    rng: random.Random, think_s: float, latencies: list[float] | None,
+    follow_up: Callable[[int], str],
+) -> tuple[int, int]:
+    """`turns` requests, each resending the history with the answer and `follow_up(turn)`
+    appended; (requests ok, failures)."""
     ok = failed = 0
     for turn in range(turns):
-        await asyncio.sleep(rng.expovariate(1 / think_s))
+        await asyncio.sleep(rng.expovariate(1 / think_s))  # the user reads, then types
         body = {"model": "sim-model", "messages": messages, "max_tokens": 160}
         sent = time.monotonic()
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -164,7 +161,7 @@ async def ask(
         ok += 1
         reply = orjson.loads(raw)["choices"][0]["message"]["content"]
         messages = [*messages, {"role": "assistant", "content": reply},
-                    {"role": "user", "content": f"And {rng.choice(WORDS)}? ({turn})"}]
+                    {"role": "user", "content": follow_up(turn)}]
     return ok, failed
 
 
