@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -53,6 +53,7 @@ END_SEQ = -1  # the replay socket's end marker
 EXPECTED_S = 10.0
 EXPECTED_BLOCKS = 2048  # of a prompt's leading blocks, at most, are expected
 RETRY_S = 1.0  # after a socket error, before subscribing again
+GATHER_S = 0.01  # between reads of the socket while batches keep coming
 # The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
 FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
@@ -116,9 +117,57 @@ class Batch(NamedTuple):
     unknown: int  # events of a kind this reader does not know (skipped)
 
 
+class _Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    """vLLM's encoding today, the fields this reader needs (others are skipped)."""
+
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+_decode_current = msgspec.msgpack.Decoder(_Batch).decode
+
+
 def decode_batch(payload: bytes) -> Batch:
     """One published batch: an array (ts, events[, data_parallel_rank]) or a map, its events
     as tagged maps or as arrays led by their tag. Raises ValueError on anything else."""
+    try:  # vLLM's encoding, decoded typed (in C): most of what the subscriber costs
+        batch = _decode_current(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_any(payload)
+    events = []
+    for item in batch.events:
+        if isinstance(item, _Stored):
+            if item.block_size < 1 or len(item.token_ids) != item.block_size * len(
+                item.block_hashes
+            ):
+                raise ValueError("BlockStored: token_ids must fill its blocks")
+            events.append(Event("stored", tuple(item.block_hashes), item.parent_block_hash,
+                                tuple(item.token_ids), item.block_size))
+        elif isinstance(item, _Removed):
+            events.append(Event("removed", tuple(item.block_hashes)))
+        else:
+            events.append(Event("cleared"))
+    return Batch(batch.ts, events, 0)
+
+
+def _decode_any(payload: bytes) -> Batch:
+    """Any encoding: maps or arrays, unknown kinds counted and skipped."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -172,9 +221,11 @@ class BlockIndex:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: OrderedDict[Hashable, int] = OrderedDict()  # engine hash -> content key
-        self._refs: Counter[Hashable] = Counter()  # engine hash -> blocks stored under it
-        self._held: Counter[int] = Counter()  # content key -> engine hashes holding it
+        # engine hash -> content key, oldest first; plain dicts of ints (this runs for every
+        # block a replica stores, thousands a second, and ints are no work for the GC)
+        self._keys: dict[Hashable, int] = {}
+        self._extra: dict[Hashable, int] = {}  # a hash stored more than once: how many more
+        self._held: dict[int, int] = {}  # content key -> engine hashes holding it
         self.orphans = 0  # stored blocks whose parent the index did not know (skipped)
 
     def __len__(self) -> int:
@@ -190,40 +241,49 @@ class BlockIndex:
             self.clear()
 
     def _store(self, event: Event) -> None:
+        keys, held = self._keys, self._held
         if event.parent is None:
             parent = ROOT_KEY
-        elif (known := self._keys.get(event.parent)) is not None:
+        elif (known := keys.get(event.parent)) is not None:
             parent = known
         else:  # its chain began before the index did: it cannot match a request's keys
             self.orphans += len(event.hashes)
             return
-        keys = block_keys(event.token_ids, event.block_size, parent)
-        for block_hash, key in zip(event.hashes, keys, strict=True):
-            if block_hash not in self._keys:
-                self._keys[block_hash] = key
-                self._held[key] += 1
-            self._refs[block_hash] += 1
-        while len(self._keys) > self.capacity:
-            oldest, key = self._keys.popitem(last=False)
-            del self._refs[oldest]
-            self._unhold(key)
+        tokens, size = event.token_ids, event.block_size
+        for i, block_hash in enumerate(event.hashes):
+            parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
+            if block_hash in keys:
+                self._extra[block_hash] = self._extra.get(block_hash, 0) + 1
+            else:
+                keys[block_hash] = parent
+                held[parent] = held.get(parent, 0) + 1
+        while len(keys) > self.capacity:
+            oldest = next(iter(keys))
+            self._extra.pop(oldest, None)
+            self._unhold(keys.pop(oldest))
 
     def _remove(self, block_hash: Hashable) -> None:
         if block_hash not in self._keys:
             return
-        self._refs[block_hash] -= 1
-        if self._refs[block_hash] <= 0:
-            del self._refs[block_hash]
-            self._unhold(self._keys.pop(block_hash))
+        extra = self._extra.get(block_hash)
+        if extra:
+            if extra > 1:
+                self._extra[block_hash] = extra - 1
+            else:
+                del self._extra[block_hash]
+            return
+        self._unhold(self._keys.pop(block_hash))
 
     def _unhold(self, key: int) -> None:
-        self._held[key] -= 1
-        if self._held[key] <= 0:
+        left = self._held[key] - 1
+        if left > 0:
+            self._held[key] = left
+        else:
             del self._held[key]
 
     def clear(self) -> None:
         self._keys.clear()
-        self._refs.clear()
+        self._extra.clear()
         self._held.clear()
 
     def holds(self, key: int) -> bool:
@@ -323,11 +383,14 @@ class Subscriber:
         socket.connect(self.endpoint)
         try:
             while True:
-                frames = await socket.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                _, seq, payload = frames
-                await self.receive(int.from_bytes(seq, "big", signed=True), payload)
+                frames: list[bytes] | None = await socket.recv_multipart()
+                while frames is not None:
+                    if len(frames) == 3:
+                        _, seq, payload = frames
+                        await self.receive(int.from_bytes(seq, "big", signed=True), payload)
+                    frames = _ready(socket)  # what has arrived meanwhile, without a wakeup
+                # then let batches gather: a wakeup per batch cost more than the batches
+                await asyncio.sleep(GATHER_S)
         finally:
             socket.close()
 
@@ -395,11 +458,14 @@ class Subscriber:
             log.warning("KV events of %s: batch %d not read: %s", self.replica_id, seq, exc)
             metrics.kv_events.labels(self.replica_id, "unreadable").inc()
             batch = Batch(time.time(), [], 0)
+        kinds: Counter[str] = Counter()
         for event in batch.events:
             state.index.apply(event)
             if event.kind == "cleared":
                 state.forget_expected()
-            metrics.kv_events.labels(self.replica_id, event.kind).inc()
+            kinds[event.kind] += 1
+        for kind, count in kinds.items():
+            metrics.kv_events.labels(self.replica_id, kind).inc(count)
         if batch.unknown:
             metrics.kv_events.labels(self.replica_id, "unknown").inc(batch.unknown)
         state.sequencer.last = seq
@@ -418,6 +484,16 @@ class Subscriber:
     def _count_gap(self) -> None:
         self.state.gaps += 1
         self.metrics.kv_events_gaps.labels(self.replica_id).inc()
+
+
+def _ready(socket: zmq.asyncio.Socket) -> list[bytes] | None:
+    """The next message already received, or None (an asyncio socket's non-blocking read
+    answers with a future that is already done)."""
+    future: Any = socket.recv_multipart(zmq.NOBLOCK)
+    try:
+        return list(future.result())
+    except zmq.Again:
+        return None
 
 
 def endpoints_of(replica: Replica, settings: KvEventsConfig) -> tuple[str, str | None]:
