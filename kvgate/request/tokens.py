@@ -55,7 +55,9 @@ class TokenizerError(RuntimeError):
 
 
 class Tokenizer(Protocol):
-    """Turns text into token ids. Pure and thread-safe: `encode` may run in a worker thread."""
+    """Turns text into token ids. Pure and thread-safe: `encode` may run in a worker thread.
+    One whose `encode_prompt` is its `encode` says so with `adds_special_tokens = False`
+    (a completions prompt is then encoded once for its count and its ids)."""
 
     name: str
 
@@ -72,6 +74,8 @@ class Tokenizer(Protocol):
 
 
 class TiktokenTokenizer:
+    adds_special_tokens = False  # encode_prompt is encode
+
     def __init__(self, encoding: Any, name: str, added: frozenset[str] = frozenset()) -> None:
         self._encoding = encoding
         self.name = name
@@ -353,7 +357,10 @@ class PromptCounter:
         """A completions prompt's text tokens, and its token ids as vLLM will see them."""
 
         def both() -> tuple[int, tuple[int, ...]]:
-            return self._count_now(prompt), tuple(self.tokenizer.encode_prompt(prompt))
+            ids = tuple(self.tokenizer.encode_prompt(prompt))
+            if not getattr(self.tokenizer, "adds_special_tokens", True):
+                return len(ids), ids  # the same ids as its count: one encoding, not two
+            return self._count_now(prompt), ids
 
         if len(prompt) <= OFF_LOOP_CHARS:
             return both()
