@@ -211,7 +211,8 @@ class Metrics:
         self.kv_events_resets = Counter(
             "kvgate_kv_events_resets", "Times a replica's block index was emptied and read "
             "again: its sequence numbers went back (an engine restart), it failed its health "
-            "check, or it served requests while publishing nothing.", ["replica", "reason"],
+            "check, or its prompts missed its cache while it published nothing.",
+            ["replica", "reason"],
             registry=r,
         )
         self.kv_index_blocks = Gauge(

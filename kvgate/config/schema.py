@@ -116,9 +116,10 @@ class KvEventsConfig(Section):
 
     port: int = Field(5557, ge=1, le=65535)
     replay_port: int | None = Field(5558, ge=1, le=65535)
-    topic: str = "kv"
-    # A replica that serves requests but has published nothing for this long, and one that
-    # fails its health check, lose their index (its cache may be gone with them).
+    topic: str = ""  # vLLM's default; "" hears every topic
+    # A replica that has published nothing for this long while its prompts missed its cache
+    # (tokens it computed and must have stored), and one that fails its health check, lose
+    # their index (its cache may be gone with them).
     silent_after_s: PositiveFloat = 30.0
     replay_timeout_s: PositiveFloat = 2.0
 

@@ -52,8 +52,12 @@ END_SEQ = -1  # the replay socket's end marker
 # one's blocks are published, each on whichever replica its fingerprint picks.
 EXPECTED_S = 10.0
 EXPECTED_BLOCKS = 2048  # of a prompt's leading blocks, at most, are expected
+EXPECTED_PROMPTS = 1024  # prompts expected at once per replica, at most
 RETRY_S = 1.0  # after a socket error, before subscribing again
 GATHER_S = 0.01  # between reads of the socket while batches keep coming
+# Prompt tokens a replica may compute uncached without publishing, before it counts as silent
+# (64 blocks of 16: vLLM stores every full block it computes)
+SILENT_MISSED_TOKENS = 1024
 # The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
 FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
@@ -343,13 +347,17 @@ class ReplicaEvents:
         return self.index.holds(key) or key in self.expected
 
     def forget_expected(self, now: float | None = None) -> None:
-        """Drop the expectations that ran out by `now` (all of them: None)."""
-        while self.expiries and (now is None or self.expiries[0][0] < now):
+        """Drop the expectations that run out by `now` (all of them: None)."""
+        while self.expiries and (now is None or self.expiries[0][0] <= now):
             for key in self.expiries.popleft()[1]:
                 self.expected[key] -= 1
                 if self.expected[key] <= 0:
                     del self.expected[key]
     last_event_at: float | None = None  # monotonic, of the last batch applied
+    # the replica's prompt tokens that missed its cache (vLLM's queries - hits), as scraped
+    # when a batch had last come: what it computed since must show up as BlockStored
+    misses_at_event: float | None = None
+    batches_seen: int = 0  # `batches` at the last check
     batches: int = 0
     gaps: int = 0
     resets: int = 0
@@ -372,7 +380,7 @@ class Subscriber:
         while True:
             try:
                 await self._subscribed()
-            except zmq.ZMQError as exc:
+            except Exception as exc:  # a subscriber must not die of what it reads: it says so
                 log.warning("KV events of %s (%s): %s", self.replica_id, self.endpoint, exc)
             await asyncio.sleep(RETRY_S)
 
@@ -431,9 +439,9 @@ class Subscriber:
             while True:
                 async with asyncio.timeout(self.settings.replay_timeout_s):
                     frames = await socket.recv_multipart()
-                if len(frames) != 4:
-                    continue
-                _, _, seq_bytes, payload = frames
+                if len(frames) not in (3, 4):  # (empty, [topic,] seq, payload): with the
+                    continue  # topic since vLLM added it, without before
+                seq_bytes, payload = frames[-2], frames[-1]
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == END_SEQ:
                     return count
@@ -454,7 +462,7 @@ class Subscriber:
         state, metrics, labels = self.state, self.metrics, (self.replica_id,)
         try:
             batch = decode_batch(payload)
-        except ValueError as exc:
+        except (ValueError, TypeError, KeyError) as exc:  # whatever a producer sent
             log.warning("KV events of %s: batch %d not read: %s", self.replica_id, seq, exc)
             metrics.kv_events.labels(self.replica_id, "unreadable").inc()
             batch = Batch(time.time(), [], 0)
@@ -539,12 +547,21 @@ class KvEvents:
         state.forget_expected(self.clock())
         return prompt.leading(state.holds)
 
+    def tells_apart(self, replica_ids: Iterable[str], token_ids: Sequence[int], block_size: int) -> bool:
+        """Some of the replicas hold more of the prompt than others (their indexes trusted)."""
+        prompt = LazyKeys(token_ids, block_size)
+        held = {self.cached_blocks(r, prompt) for r in replica_ids} - {None}
+        return len(held) > 1
+
     def expect(self, replica_id: str, token_ids: tuple[int, ...] | None, block_size: int) -> None:
         """A prompt is being sent to the replica: count its blocks as cached there until its
         events arrive (or EXPECTED_S)."""
         state = self.states.get(replica_id)
-        if state is None or not token_ids:
+        if state is None or not token_ids or state.sequencer.last is None:
             return
+        state.forget_expected(self.clock())
+        while len(state.expiries) >= EXPECTED_PROMPTS:  # the oldest go first
+            state.forget_expected(state.expiries[0][0])
         keys = block_keys(token_ids[: EXPECTED_BLOCKS * block_size], block_size)
         state.expected.update(keys)
         state.expiries.append((self.clock() + EXPECTED_S, keys))
@@ -558,7 +575,7 @@ class KvEvents:
             settings = None if pool is None else pool.kv_events
             if settings is not None:
                 wanted[replica.id] = (replica, (*endpoints_of(replica, settings), settings))
-        for replica_id in [r for r in self._running if r not in wanted]:
+        for replica_id in [r for r in {*self._running, *self.states} if r not in wanted]:
             self._stop(replica_id)
             self.states.pop(replica_id, None)
         now = self.clock()
@@ -589,11 +606,25 @@ class KvEvents:
     def _untrusted(
         self, replica: Replica, state: ReplicaEvents, settings: KvEventsConfig, now: float
     ) -> bool:
+        """Failed its health check; or silent: nothing published for `silent_after_s` while
+        its prompts missed its cache by SILENT_MISSED_TOKENS or more (tokens it computed and
+        must have stored). A replica serving cached prompts publishes nothing, and is not
+        silent; one whose counters are unknown is judged by its health alone."""
         if not replica.healthy:
             return state.sequencer.last is not None or replica.id in self._running
+        scrape = replica.scrape
+        misses = None
+        if scrape is not None and scrape.prefix_queries is not None:
+            misses = scrape.prefix_queries - (scrape.prefix_hits or 0.0)
+        if state.batches != state.batches_seen or state.misses_at_event is None:
+            state.batches_seen, state.misses_at_event = state.batches, misses
+            return False
         silent_since = state.last_event_at
-        return bool(replica.inflight) and silent_since is not None and (
-            now - silent_since > settings.silent_after_s)
+        return (
+            misses is not None and silent_since is not None
+            and misses - state.misses_at_event >= SILENT_MISSED_TOKENS
+            and now - silent_since > settings.silent_after_s
+        )
 
     def _stop(self, replica_id: str) -> None:
         running = self._running.pop(replica_id, None)

@@ -243,6 +243,8 @@ class Catalog:
                 template=self._templates.get(settings.tokenizer),
                 name_tokens=settings.chat_template.tokens_per_name,
                 media_part_tokens=settings.media_part_tokens,
+                # the ids are for precise prefix routing: kept only where KV events are read
+                token_ids=any(pool.kv_events is not None for pool in self.config.pools.values()),
             )
             self._counters[model] = counter
         return counter

@@ -266,9 +266,14 @@ class PromptCounter:
         name_tokens: int = 1,
         media_part_tokens: int = 0,
         cache_size: int = 8192,
+        token_ids: bool = True,
     ) -> None:
+        """`token_ids`: keep each prompt's token ids where they are known exactly (for
+        precise prefix routing; off where no pool reads KV events, so that no prompt is
+        encoded or held for them)."""
         self.tokenizer = tokenizer
         self.template = template
+        self.keep_token_ids = token_ids
         self.name_tokens = name_tokens
         self.media_part_tokens = media_part_tokens
         self._cache: OrderedDict[bytes, int] = OrderedDict()
@@ -334,19 +339,22 @@ class PromptCounter:
             prefix_key = digest(keys[0], tools_text)
         return PromptCount(
             features, counts[0] if prefix_key else 0, prefix_key, features, templated, media,
-            token_ids=ids,
+            token_ids=ids if self.keep_token_ids else None,
         )
 
     async def count_prompt(self, prompt: str | Sequence[Any]) -> PromptCount:
         """A completions prompt: a string, a list of token ids, or a list of several prompts
         (strings or token-id lists), which vLLM runs as separate sequences."""
         if isinstance(prompt, str):
-            n, ids = await self._count_prompt_text(prompt)
-            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1), token_ids=ids)
+            if not self.keep_token_ids:
+                n = (await self._count_many([prompt]))[0]
+                return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1))
+            n, text_ids = await self._count_prompt_text(prompt)
+            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1), token_ids=text_ids)
         if prompt and all(isinstance(t, int) for t in prompt):
             n = len(prompt)
-            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1),
-                               token_ids=tuple(int(t) for t in prompt))
+            ids = tuple(int(t) for t in prompt) if self.keep_token_ids else None
+            return PromptCount(Features(n, 0, 1), longest=Features(n, 0, 1), token_ids=ids)
         texts = [p for p in prompt if isinstance(p, str)]
         found = iter(await self._count_many(texts))
         counts = [next(found) if isinstance(p, str) else len(p) for p in prompt]

@@ -27,6 +27,7 @@ from kvgate.fleet.kv_events import (
     endpoints_of,
 )
 from kvgate.fleet.replicas import Replica
+from kvgate.fleet.scrape import Scrape
 from kvgate.metrics import Metrics
 from kvgate.sim import kv_events as sim_events
 from kvgate.sim.server import SimReplica
@@ -302,10 +303,16 @@ async def test_the_fleet_drops_the_index_of_a_replica_that_fails_or_goes_silent(
         r.healthy = True
         events.sync([r], config)
         assert events.describe("a")["subscribed"]
-        events.states["a"].last_event_at = 0.0
-        events.states["a"].sequencer.last = 3
-        r.inflight["x"] = None  # type: ignore[assignment]  # it serves, and publishes nothing
-        now[0] = 6.0
+        state = events.states["a"]
+        state.last_event_at, state.sequencer.last = 0.0, 3
+        r.scrape = Scrape(at=0.0, prefix_queries=5000.0, prefix_hits=4000.0)
+        events.sync([r], config)  # the counters as the last batch left them
+        now[0] = 6.0  # nothing published for 6 s, but every prompt was a hit: not silent
+        r.scrape = Scrape(at=6.0, prefix_queries=9000.0, prefix_hits=8000.0)
+        events.sync([r], config)
+        assert events.index("a") is not None
+        # 1,024 more prompt tokens computed, stored, and nothing published: silent
+        r.scrape = Scrape(at=6.1, prefix_queries=10_100.0, prefix_hits=8000.0)
         events.sync([r], config)
         assert events.index("a") is None
         events.sync([], config)  # it left the fleet
@@ -339,3 +346,46 @@ def test_a_prompt_just_sent_counts_as_cached_until_its_events_come_or_it_expires
     state.index.apply(Event("cleared"))  # as a batch with AllBlocksCleared would
     state.forget_expected()
     assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 0 and not state.expected
+
+
+async def test_a_replay_answered_without_the_topic_frame_as_earlier_vllm_did_is_read():
+    """vLLM 0.33 answers a replay (identity, "", topic, seq, payload); earlier versions left
+    the topic out. Both are read, end marker included."""
+    import zmq
+    import zmq.asyncio
+
+    from kvgate.fleet.kv_events import END_SEQ
+
+    batch = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [5],
+                                           "parent_block_hash": None, "token_ids": list(range(16)),
+                                           "block_size": 16, "lora_id": None, "medium": "GPU"}]])
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        identity, _, start = await router.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        await router.send_multipart((identity, b"", (0).to_bytes(8, "big"), batch))
+        await router.send_multipart((identity, b"", END_SEQ.to_bytes(8, "big", signed=True), b""))
+
+    server = asyncio.create_task(serve())
+    state = ReplicaEvents(BlockIndex(64))
+    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}",
+                            SETTINGS, state, Metrics())
+    try:
+        await subscriber.receive(0, batch)  # first: replays from 0, three-frame answers
+        await server
+        assert state.sequencer.last == 0 and len(state.index) == 1 and state.gaps == 0
+    finally:
+        router.close()
+
+
+async def test_whatever_a_producer_sends_the_subscriber_reads_on():
+    state = ReplicaEvents(BlockIndex(64))
+    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
+    unhashable = msgspec.msgpack.encode(
+        {"ts": 1.0, "events": [["BlockRemoved", [[1, 2]]]]})  # a hash that is a list
+    for seq, payload in enumerate((b"\xc1", unhashable, msgspec.msgpack.encode([1.0, []]))):
+        await subscriber.receive(seq, payload)
+    assert state.sequencer.last == 2 and state.batches == 3

@@ -138,3 +138,9 @@ def test_the_bundled_file_is_the_published_cl100k_base():
     path = _bundled_bpe_file("cl100k_base")
     assert path is not None
     assert hashlib.sha256(path.read_bytes()).hexdigest() == KNOWN_TIKTOKEN_HASHES["cl100k_base"]
+
+
+async def test_without_kv_events_no_prompt_keeps_its_token_ids(tiktoken_tokenizer):
+    counter = PromptCounter(tiktoken_tokenizer, token_ids=False)
+    assert (await counter.count_prompt("hello world")).token_ids is None
+    assert (await counter.count_prompt([1, 2, 3])).token_ids is None

@@ -6,8 +6,8 @@
   its share — the first replica in the session key's own hash order within its share. New
   sessions so spread evenly, and every instance sends the first turns of one session to the
   same replica before any binding exists. A session with no replica yet whose prompt the
-  replicas' KV cache events can place (`Route.token_ids`, and an index for some candidate)
-  scores 0 everywhere: where its prompt is cached beats an arbitrary hash, and the
+  replicas' KV cache events tell apart (`Route.token_ids`; some candidates hold more of it
+  than others) scores 0 everywhere: where its prompt is cached beats an arbitrary hash, and the
   prefix scorer knows where that is. Requests without a session key score 0 everywhere:
   the other scorers decide.
 - pick: when the replica it scored is the one the session is bound to (its cache is there),
@@ -85,9 +85,12 @@ class SessionAffinity(Plugin[SessionParams]):
         return [1.0 if choice is not None and v.id == choice.id else 0.0 for v in candidates]
 
     def _placed_by_cache(self, route: Route, candidates: Sequence[ReplicaView]) -> bool:
+        """The replicas' KV events tell them apart for this prompt: some hold more of it."""
         events = self.deps.kv_events
-        return route.token_ids is not None and events is not None and any(
-            events.index(v.id) is not None for v in candidates)
+        if route.token_ids is None or events is None or not candidates:
+            return False
+        return events.tells_apart(
+            (v.id for v in candidates), route.token_ids, candidates[0].block_size)
 
     async def pick(
         self, route: Route, ranking: Ranking, favourite: str | None, params: SessionParams
