@@ -1,25 +1,19 @@
-"""What each replica really caches, from vLLM's KV cache events: a subscriber per replica and
-an index of the blocks it holds.
+"""What each replica really caches, from vLLM's KV cache events: a subscriber per replica
+keeping its `kvgate.fleet.block_index.BlockIndex`, and the fleet of them.
 
 A vLLM started with `--kv-events-config` publishes, after each engine step that changed its
 prefix cache, one batch on a ZMQ PUB socket (topic, 8-byte big-endian sequence number,
 msgpack) and keeps the recent batches for a ROUTER replay socket (`kvgate.sim.kv_events` is
 the simulator's publisher, checked against vLLM's classes). Here:
 
-- `decode_batch` reads a batch in either encoding producers use: events as tagged maps
-  (vLLM's msgspec structs today) or as arrays led by the tag (earlier producers).
-- `BlockIndex` is one replica's cache. The engine's block hashes are opaque ids: each block
-  is keyed by its content, its token ids chained from its parent's key (`block_keys`, which
-  a request's own tokens are keyed by too), so the key does not depend on vLLM's hash seed
-  or algorithm. It is bounded by the replica's own capacity.
 - `Sequencer` decides from sequence numbers: the next one is applied; a jump is a gap,
   filled by a replay; a number that went back (the engine restarted and counts from 0
   again) resets the index and replays from 0, unless it is a batch the replay brought
   already, byte for byte (a duplicate).
 - `Subscriber` is the I/O: one SUB socket and, for replays, a DEALER on the replay socket.
 - `KvEvents` keeps a subscriber for every replica of a pool with `kv_events` configured, and
-  drops the index of a replica that fails its health check, leaves the fleet, or serves
-  requests while publishing nothing for `silent_after_s`.
+  drops the index of a replica that fails its health check, leaves the fleet, or publishes
+  nothing for `silent_after_s` while its prompts miss its cache.
 """
 
 from __future__ import annotations
@@ -29,23 +23,22 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from kvgate.config import Config, KvEventsConfig
+from kvgate.fleet.block_index import Batch, BlockIndex, LazyKeys, decode_batch
 from kvgate.fleet.replicas import Registry, Replica
 from kvgate.intervals import pause
 from kvgate.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-ROOT_KEY = 0  # the parent key of a prompt's first block
 END_SEQ = -1  # the replay socket's end marker
 # A prompt sent to a replica counts as cached there this long, or until its events say so:
 # a burst of requests for one new document would otherwise all be placed before the first
@@ -58,255 +51,6 @@ GATHER_S = 0.01  # between reads of the socket while batches keep coming
 # Prompt tokens a replica may compute uncached without publishing, before it counts as silent
 # (64 blocks of 16: vLLM stores every full block it computes)
 SILENT_MISSED_TOKENS = 1024
-# The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
-FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-    "BlockRemoved": ("block_hashes",),
-    "AllBlocksCleared": (),
-}
-KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
-
-
-def chain_key(parent: int, tokens: Sequence[int]) -> int:
-    """The content key of one block: its tokens, after its parent's key. (Python's hash of a
-    tuple of ints is the same in every process: no hash randomization for ints.)"""
-    return hash((parent, tuple(tokens)))
-
-
-def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
-    """The content key of every full block of `token_ids`, chained from `parent`'s."""
-    keys = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_key(parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys
-
-
-class LazyKeys:
-    """A prompt's block keys (`block_keys`), made only as far as some replica holds them: a
-    long prompt that no replica holds past its system prompt costs a few hashes, not one per
-    block."""
-
-    __slots__ = ("_keys", "size", "tokens")
-
-    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
-        self.tokens, self.size = token_ids, block_size
-        self._keys: list[int] = []
-
-    def leading(self, holds: Callable[[int], bool]) -> int:
-        """How many of the prompt's leading blocks are held, by `holds(key)`."""
-        count, keys, size, tokens = 0, self._keys, self.size, self.tokens
-        while True:
-            if count == len(keys):
-                start = count * size
-                if start + size > len(tokens):
-                    return count
-                keys.append(chain_key(keys[-1] if keys else ROOT_KEY, tokens[start : start + size]))
-            if not holds(keys[count]):
-                return count
-            count += 1
-
-
-class Event(NamedTuple):
-    kind: Literal["stored", "removed", "cleared"]
-    hashes: tuple[Hashable, ...] = ()
-    parent: Hashable | None = None
-    token_ids: tuple[int, ...] = ()
-    block_size: int = 0
-
-
-class Batch(NamedTuple):
-    ts: float
-    events: list[Event]
-    unknown: int  # events of a kind this reader does not know (skipped)
-
-
-class _Stored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-
-
-class _Removed(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
-    pass
-
-
-class _Batch(msgspec.Struct, array_like=True):
-    """vLLM's encoding today, the fields this reader needs (others are skipped)."""
-
-    ts: float
-    events: list[_Stored | _Removed | _Cleared]
-    data_parallel_rank: int | None = None
-
-
-_decode_current = msgspec.msgpack.Decoder(_Batch).decode
-
-
-def decode_batch(payload: bytes) -> Batch:
-    """One published batch: an array (ts, events[, data_parallel_rank]) or a map, its events
-    as tagged maps or as arrays led by their tag. Raises ValueError on anything else."""
-    try:  # vLLM's encoding, decoded typed (in C): most of what the subscriber costs
-        batch = _decode_current(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return _decode_any(payload)
-    events = []
-    for item in batch.events:
-        if isinstance(item, _Stored):
-            if item.block_size < 1 or len(item.token_ids) != item.block_size * len(
-                item.block_hashes
-            ):
-                raise ValueError("BlockStored: token_ids must fill its blocks")
-            events.append(Event("stored", tuple(item.block_hashes), item.parent_block_hash,
-                                tuple(item.token_ids), item.block_size))
-        elif isinstance(item, _Removed):
-            events.append(Event("removed", tuple(item.block_hashes)))
-        else:
-            events.append(Event("cleared"))
-    return Batch(batch.ts, events, 0)
-
-
-def _decode_any(payload: bytes) -> Batch:
-    """Any encoding: maps or arrays, unknown kinds counted and skipped."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"not msgpack: {exc}") from None
-    if isinstance(raw, dict):
-        ts, items = raw.get("ts"), raw.get("events")
-    elif isinstance(raw, list) and len(raw) >= 2:
-        ts, items = raw[0], raw[1]
-    else:
-        raise ValueError("a batch is (ts, events)")
-    if not isinstance(ts, int | float) or not isinstance(items, list):
-        raise ValueError("a batch is (ts, events)")
-    events, unknown = [], 0
-    for item in items:
-        if isinstance(item, dict):
-            tag, values = item.get("type"), item
-        elif isinstance(item, list) and item:
-            tag = item[0]
-            values = dict(zip(FIELDS.get(tag, ()), item[1:], strict=False))
-        else:
-            raise ValueError(f"an event is a map or an array, not {type(item).__name__}")
-        if tag not in FIELDS:
-            unknown += 1
-            continue
-        events.append(_event(tag, values))
-    return Batch(float(ts), events, unknown)
-
-
-def _event(tag: str, values: dict[str, Any]) -> Event:
-    kind = KINDS[tag]
-    if kind == "cleared":
-        return Event("cleared")
-    hashes = values.get("block_hashes")
-    if not isinstance(hashes, list) or not all(isinstance(h, int | bytes) for h in hashes):
-        raise ValueError(f"{tag}: block_hashes must be a list of ids")
-    if kind == "removed":
-        return Event("removed", tuple(hashes))
-    tokens, size = values.get("token_ids"), values.get("block_size")
-    if not isinstance(size, int) or size < 1 or not isinstance(tokens, list):
-        raise ValueError("BlockStored: token_ids and a block_size are required")
-    if len(tokens) != size * len(hashes):
-        raise ValueError("BlockStored: token_ids must fill its blocks")
-    parent = values.get("parent_block_hash")
-    return Event("stored", tuple(hashes), parent, tuple(tokens), size)
-
-
-class BlockIndex:
-    """One replica's cached blocks, as its events say: each engine hash's content key, held
-    once per stored block (a hash stored twice is removed twice), oldest first, at most
-    `capacity` hashes (the replica's own blocks)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        # engine hash -> content key, oldest first; plain dicts of ints (this runs for every
-        # block a replica stores, thousands a second, and ints are no work for the GC)
-        self._keys: dict[Hashable, int] = {}
-        self._extra: dict[Hashable, int] = {}  # a hash stored more than once: how many more
-        self._held: dict[int, int] = {}  # content key -> engine hashes holding it
-        self.orphans = 0  # stored blocks whose parent the index did not know (skipped)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def apply(self, event: Event) -> None:
-        if event.kind == "stored":
-            self._store(event)
-        elif event.kind == "removed":
-            for block_hash in event.hashes:
-                self._remove(block_hash)
-        else:
-            self.clear()
-
-    def _store(self, event: Event) -> None:
-        keys, held = self._keys, self._held
-        if event.parent is None:
-            parent = ROOT_KEY
-        elif (known := keys.get(event.parent)) is not None:
-            parent = known
-        else:  # its chain began before the index did: it cannot match a request's keys
-            self.orphans += len(event.hashes)
-            return
-        tokens, size = event.token_ids, event.block_size
-        for i, block_hash in enumerate(event.hashes):
-            parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
-            if block_hash in keys:
-                self._extra[block_hash] = self._extra.get(block_hash, 0) + 1
-            else:
-                keys[block_hash] = parent
-                held[parent] = held.get(parent, 0) + 1
-        while len(keys) > self.capacity:
-            oldest = next(iter(keys))
-            self._extra.pop(oldest, None)
-            self._unhold(keys.pop(oldest))
-
-    def _remove(self, block_hash: Hashable) -> None:
-        if block_hash not in self._keys:
-            return
-        extra = self._extra.get(block_hash)
-        if extra:
-            if extra > 1:
-                self._extra[block_hash] = extra - 1
-            else:
-                del self._extra[block_hash]
-            return
-        self._unhold(self._keys.pop(block_hash))
-
-    def _unhold(self, key: int) -> None:
-        left = self._held[key] - 1
-        if left > 0:
-            self._held[key] = left
-        else:
-            del self._held[key]
-
-    def clear(self) -> None:
-        self._keys.clear()
-        self._extra.clear()
-        self._held.clear()
-
-    def holds(self, key: int) -> bool:
-        return key in self._held
-
-    def keys(self) -> frozenset[int]:
-        """Every content key held."""
-        return frozenset(self._held)
-
-    def leading(self, keys: Iterable[int]) -> int:
-        """How many of `keys`, from the first, the replica holds."""
-        count = 0
-        for key in keys:
-            if key not in self._held:
-                break
-            count += 1
-        return count
-
-
 Verdict = Literal["first", "apply", "gap", "regressed", "duplicate"]
 
 
@@ -345,6 +89,12 @@ class ReplicaEvents:
 
     def holds(self, key: int) -> bool:
         return self.index.holds(key) or key in self.expected
+
+    def saw(self, misses: float | None) -> None:
+        """The replica's cache misses as scraped now: kept as of the last batch, the first
+        time they are seen after one."""
+        if self.batches != self.batches_seen or self.misses_at_event is None:
+            self.batches_seen, self.misses_at_event = self.batches, misses
 
     def forget_expected(self, now: float | None = None) -> None:
         """Drop the expectations that run out by `now` (all of them: None)."""
@@ -504,6 +254,15 @@ def _ready(socket: zmq.asyncio.Socket) -> list[bytes] | None:
         return None
 
 
+def cache_misses(replica: Replica) -> float | None:
+    """Prompt tokens the replica computed that its prefix cache did not hold, since it
+    started (vLLM's prefix-cache queries less hits), as last scraped; None unknown."""
+    scrape = replica.scrape
+    if scrape is None or scrape.prefix_queries is None:
+        return None
+    return scrape.prefix_queries - (scrape.prefix_hits or 0.0)
+
+
 def endpoints_of(replica: Replica, settings: KvEventsConfig) -> tuple[str, str | None]:
     """Where `replica` publishes: its own `kv_events` endpoints, else its URL's host at the
     pool's ports."""
@@ -532,6 +291,7 @@ class KvEvents:
         self.clock = clock
         self._running: dict[str, _Running] = {}
         self.states: dict[str, ReplicaEvents] = {}
+        self._last_keys: LazyKeys | None = None
 
     def index(self, replica_id: str) -> BlockIndex | None:
         """The replica's index, while it can be trusted; None without one."""
@@ -547,9 +307,18 @@ class KvEvents:
         state.forget_expected(self.clock())
         return prompt.leading(state.holds)
 
+    def keys_for(self, token_ids: Sequence[int], block_size: int) -> LazyKeys:
+        """The prompt's block keys, the same object for the same prompt as long as it is the
+        latest asked about: a request's ranking asks for them from two plugins, and again on
+        each placement attempt, and each key is hashed once."""
+        last = self._last_keys
+        if last is None or last.tokens is not token_ids or last.size != block_size:
+            last = self._last_keys = LazyKeys(token_ids, block_size)
+        return last
+
     def tells_apart(self, replica_ids: Iterable[str], token_ids: Sequence[int], block_size: int) -> bool:
         """Some of the replicas hold more of the prompt than others (their indexes trusted)."""
-        prompt = LazyKeys(token_ids, block_size)
+        prompt = self.keys_for(token_ids, block_size)
         held = {self.cached_blocks(r, prompt) for r in replica_ids} - {None}
         return len(held) > 1
 
@@ -562,13 +331,13 @@ class KvEvents:
         state.forget_expected(self.clock())
         while len(state.expiries) >= EXPECTED_PROMPTS:  # the oldest go first
             state.forget_expected(state.expiries[0][0])
-        keys = block_keys(token_ids[: EXPECTED_BLOCKS * block_size], block_size)
+        keys = self.keys_for(token_ids, block_size).first(EXPECTED_BLOCKS)  # made once
         state.expected.update(keys)
         state.expiries.append((self.clock() + EXPECTED_S, keys))
 
     def sync(self, registry: Iterable[Replica], config: Config) -> None:
         """Start, restart and stop subscribers to match the fleet and its config; drop the
-        index of a replica that failed its health check or has gone silent while serving."""
+        index of a replica that failed its health check or has gone silent (`_untrusted`)."""
         wanted: dict[str, tuple[Replica, tuple[str, str | None, KvEventsConfig]]] = {}
         for replica in registry:
             pool = config.pools.get(replica.pool)
@@ -585,7 +354,10 @@ class KvEvents:
                 self._stop(replica_id)
                 running = None
             state = self.states.get(replica_id)
-            if state is not None and self._untrusted(replica, state, where[2], now):
+            misses = cache_misses(replica)
+            if state is not None:
+                state.saw(misses)
+            if state is not None and self._untrusted(replica, state, misses, where[2], now):
                 self._stop(replica_id)
                 reason = "silent" if replica.healthy else "unhealthy"
                 self.metrics.kv_events_resets.labels(replica_id, reason).inc()
@@ -604,25 +376,20 @@ class KvEvents:
             self.metrics.kv_index_blocks.labels(replica_id).set(len(state.index))
 
     def _untrusted(
-        self, replica: Replica, state: ReplicaEvents, settings: KvEventsConfig, now: float
+        self, replica: Replica, state: ReplicaEvents, misses: float | None,
+        settings: KvEventsConfig, now: float,
     ) -> bool:
         """Failed its health check; or silent: nothing published for `silent_after_s` while
-        its prompts missed its cache by SILENT_MISSED_TOKENS or more (tokens it computed and
-        must have stored). A replica serving cached prompts publishes nothing, and is not
-        silent; one whose counters are unknown is judged by its health alone."""
+        its prompts missed its cache (`misses`, now) by SILENT_MISSED_TOKENS or more since
+        the last batch (tokens it computed and must have stored). A replica serving cached
+        prompts publishes nothing, and is not silent; one whose counters are unknown is
+        judged by its health alone."""
         if not replica.healthy:
             return state.sequencer.last is not None or replica.id in self._running
-        scrape = replica.scrape
-        misses = None
-        if scrape is not None and scrape.prefix_queries is not None:
-            misses = scrape.prefix_queries - (scrape.prefix_hits or 0.0)
-        if state.batches != state.batches_seen or state.misses_at_event is None:
-            state.batches_seen, state.misses_at_event = state.batches, misses
-            return False
-        silent_since = state.last_event_at
+        silent_since, before = state.last_event_at, state.misses_at_event
         return (
-            misses is not None and silent_since is not None
-            and misses - state.misses_at_event >= SILENT_MISSED_TOKENS
+            misses is not None and before is not None and silent_since is not None
+            and misses - before >= SILENT_MISSED_TOKENS
             and now - silent_since > settings.silent_after_s
         )
 

@@ -14,16 +14,12 @@ import msgspec
 import pytest
 
 from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
+from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, Event, block_keys, decode_batch
 from kvgate.fleet.kv_events import (
-    ROOT_KEY,
-    BlockIndex,
-    Event,
     KvEvents,
     ReplicaEvents,
     Sequencer,
     Subscriber,
-    block_keys,
-    decode_batch,
     endpoints_of,
 )
 from kvgate.fleet.replicas import Replica
@@ -330,7 +326,8 @@ def test_the_endpoints_config_is_checked():
 def test_a_prompt_just_sent_counts_as_cached_until_its_events_come_or_it_expires():
     """A burst for one new document: the first request's blocks are not published before the
     next is placed, so a prompt sent to a replica counts as cached there for EXPECTED_S."""
-    from kvgate.fleet.kv_events import EXPECTED_S, LazyKeys
+    from kvgate.fleet.block_index import LazyKeys
+    from kvgate.fleet.kv_events import EXPECTED_S
 
     now = [0.0]
     events = KvEvents(Metrics(), clock=lambda: now[0])

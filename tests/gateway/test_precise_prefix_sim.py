@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.fleet.kv_events import block_keys
+from kvgate.fleet.block_index import block_keys
 from kvgate.sim.server import SimReplica
 from tests.plugins.gateway import gateway_config
 from tests.plugins.waiting import eventually

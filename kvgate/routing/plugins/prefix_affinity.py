@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.kv_events import LazyKeys
+from kvgate.fleet.block_index import LazyKeys
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.bounded import BoundedLoad, within_bound
 from kvgate.routing.plugin import Plugin
@@ -99,7 +99,7 @@ class PrefixAffinity(Plugin[BoundedLoad]):
         known = False
         for view in candidates:
             size = view.block_size
-            prompt = keys.get(size) or keys.setdefault(size, LazyKeys(route.token_ids, size))
+            prompt = keys.get(size) or keys.setdefault(size, events.keys_for(route.token_ids, size))
             cached = events.cached_blocks(view.id, prompt)
             known = known or cached is not None
             if cached is None or not within_bound(

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.kv_events import BlockIndex, Event, KvEvents, ReplicaEvents
+from kvgate.fleet.block_index import BlockIndex, Event
+from kvgate.fleet.kv_events import KvEvents, ReplicaEvents
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
 from kvgate.routing.plugins.prefix_affinity import PrefixAffinity, hash_order, preferred

@@ -1,0 +1,273 @@
+"""One replica's cache as vLLM's KV cache events describe it: the events decoded, and an index
+of the blocks they say the replica holds, keyed by content. Pure: no clock, no I/O
+(`kvgate.fleet.kv_events` reads the events off the replicas' sockets).
+
+- `decode_batch` reads a batch in either encoding producers use: events as tagged maps
+  (vLLM's msgspec structs today) or as arrays led by the tag (earlier producers).
+- `BlockIndex` is one replica's cache. The engine's block hashes are opaque ids: each block
+  is keyed by its content, its token ids chained from its parent's key (`block_keys`, which
+  a request's own tokens are keyed by too: `LazyKeys`), so the key does not depend on vLLM's
+  hash seed or algorithm. It is bounded by the replica's own capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+
+ROOT_KEY = 0  # the parent key of a prompt's first block
+# The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
+FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+
+
+def chain_key(parent: int, tokens: Sequence[int]) -> int:
+    """The content key of one block: its tokens, after its parent's key. (Python's hash of a
+    tuple of ints is the same in every process: no hash randomization for ints.)"""
+    return hash((parent, tuple(tokens)))
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
+    """The content key of every full block of `token_ids`, chained from `parent`'s."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_key(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+class LazyKeys:
+    """A prompt's block keys (`block_keys`), made only as far as some replica holds them: a
+    long prompt that no replica holds past its system prompt costs a few hashes, not one per
+    block."""
+
+    __slots__ = ("_keys", "size", "tokens")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
+        self.tokens, self.size = token_ids, block_size
+        self._keys: list[int] = []
+
+    def leading(self, holds: Callable[[int], bool]) -> int:
+        """How many of the prompt's leading blocks are held, by `holds(key)`."""
+        count = 0
+        while self._made(count + 1) > count and holds(self._keys[count]):
+            count += 1
+        return count
+
+    def first(self, blocks: int) -> list[int]:
+        """The keys of the prompt's first `blocks` full blocks (fewer if it has fewer)."""
+        return self._keys[: self._made(blocks)]
+
+    def _made(self, blocks: int) -> int:
+        """Make keys up to `blocks` of them; how many there are."""
+        keys, size, tokens = self._keys, self.size, self.tokens
+        while len(keys) < blocks and (len(keys) + 1) * size <= len(tokens):
+            start = len(keys) * size
+            keys.append(chain_key(keys[-1] if keys else ROOT_KEY, tokens[start : start + size]))
+        return min(blocks, len(keys))
+
+
+class Event(NamedTuple):
+    kind: Literal["stored", "removed", "cleared"]
+    hashes: tuple[Hashable, ...] = ()
+    parent: Hashable | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+
+
+class Batch(NamedTuple):
+    ts: float
+    events: list[Event]
+    unknown: int  # events of a kind this reader does not know (skipped)
+
+
+class _Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    """vLLM's encoding today, the fields this reader needs (others are skipped)."""
+
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+_decode_current = msgspec.msgpack.Decoder(_Batch).decode
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """One published batch: an array (ts, events[, data_parallel_rank]) or a map, its events
+    as tagged maps or as arrays led by their tag. Raises ValueError on anything else."""
+    try:  # vLLM's encoding, decoded typed (in C): most of what the subscriber costs
+        batch = _decode_current(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_any(payload)
+    events = []
+    for item in batch.events:
+        if isinstance(item, _Stored):
+            if item.block_size < 1 or len(item.token_ids) != item.block_size * len(
+                item.block_hashes
+            ):
+                raise ValueError("BlockStored: token_ids must fill its blocks")
+            events.append(Event("stored", tuple(item.block_hashes), item.parent_block_hash,
+                                tuple(item.token_ids), item.block_size))
+        elif isinstance(item, _Removed):
+            events.append(Event("removed", tuple(item.block_hashes)))
+        else:
+            events.append(Event("cleared"))
+    return Batch(batch.ts, events, 0)
+
+
+def _decode_any(payload: bytes) -> Batch:
+    """Any encoding: maps or arrays, unknown kinds counted and skipped."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, items = raw.get("ts"), raw.get("events")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, items = raw[0], raw[1]
+    else:
+        raise ValueError("a batch is (ts, events)")
+    if not isinstance(ts, int | float) or not isinstance(items, list):
+        raise ValueError("a batch is (ts, events)")
+    events, unknown = [], 0
+    for item in items:
+        if isinstance(item, dict):
+            tag, values = item.get("type"), item
+        elif isinstance(item, list) and item:
+            tag = item[0]
+            values = dict(zip(FIELDS.get(tag, ()), item[1:], strict=False))
+        else:
+            raise ValueError(f"an event is a map or an array, not {type(item).__name__}")
+        if tag not in FIELDS:
+            unknown += 1
+            continue
+        events.append(_event(tag, values))
+    return Batch(float(ts), events, unknown)
+
+
+def _event(tag: str, values: dict[str, Any]) -> Event:
+    kind = KINDS[tag]
+    if kind == "cleared":
+        return Event("cleared")
+    hashes = values.get("block_hashes")
+    if not isinstance(hashes, list) or not all(isinstance(h, int | bytes) for h in hashes):
+        raise ValueError(f"{tag}: block_hashes must be a list of ids")
+    if kind == "removed":
+        return Event("removed", tuple(hashes))
+    tokens, size = values.get("token_ids"), values.get("block_size")
+    if not isinstance(size, int) or size < 1 or not isinstance(tokens, list):
+        raise ValueError("BlockStored: token_ids and a block_size are required")
+    if len(tokens) != size * len(hashes):
+        raise ValueError("BlockStored: token_ids must fill its blocks")
+    parent = values.get("parent_block_hash")
+    return Event("stored", tuple(hashes), parent, tuple(tokens), size)
+
+
+class BlockIndex:
+    """One replica's cached blocks, as its events say: each engine hash's content key, held
+    once per stored block (a hash stored twice is removed twice), oldest first, at most
+    `capacity` hashes (the replica's own blocks)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # engine hash -> content key, oldest first; plain dicts of ints (this runs for every
+        # block a replica stores, thousands a second, and ints are no work for the GC)
+        self._keys: dict[Hashable, int] = {}
+        self._extra: dict[Hashable, int] = {}  # a hash stored more than once: how many more
+        self._held: dict[int, int] = {}  # content key -> engine hashes holding it
+        self.orphans = 0  # stored blocks whose parent the index did not know (skipped)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def apply(self, event: Event) -> None:
+        if event.kind == "stored":
+            self._store(event)
+        elif event.kind == "removed":
+            for block_hash in event.hashes:
+                self._remove(block_hash)
+        else:
+            self.clear()
+
+    def _store(self, event: Event) -> None:
+        keys, held = self._keys, self._held
+        if event.parent is None:
+            parent = ROOT_KEY
+        elif (known := keys.get(event.parent)) is not None:
+            parent = known
+        else:  # its chain began before the index did: it cannot match a request's keys
+            self.orphans += len(event.hashes)
+            return
+        tokens, size = event.token_ids, event.block_size
+        for i, block_hash in enumerate(event.hashes):
+            parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
+            if block_hash in keys:
+                self._extra[block_hash] = self._extra.get(block_hash, 0) + 1
+            else:
+                keys[block_hash] = parent
+                held[parent] = held.get(parent, 0) + 1
+        while len(keys) > self.capacity:
+            oldest = next(iter(keys))
+            self._extra.pop(oldest, None)
+            self._unhold(keys.pop(oldest))
+
+    def _remove(self, block_hash: Hashable) -> None:
+        if block_hash not in self._keys:
+            return
+        extra = self._extra.get(block_hash)
+        if extra:
+            if extra > 1:
+                self._extra[block_hash] = extra - 1
+            else:
+                del self._extra[block_hash]
+            return
+        self._unhold(self._keys.pop(block_hash))
+
+    def _unhold(self, key: int) -> None:
+        left = self._held[key] - 1
+        if left > 0:
+            self._held[key] = left
+        else:
+            del self._held[key]
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._extra.clear()
+        self._held.clear()
+
+    def holds(self, key: int) -> bool:
+        return key in self._held
+
+    def keys(self) -> frozenset[int]:
+        """Every content key held."""
+        return frozenset(self._held)
+
+    def leading(self, keys: Iterable[int]) -> int:
+        """How many of `keys`, from the first, the replica holds."""
+        count = 0
+        for key in keys:
+            if key not in self._held:
+                break
+            count += 1
+        return count
