@@ -10,8 +10,9 @@ how the bet goes, and it says so before vLLM has to preempt:
   free blocks let it start — shrink (×EASE per scrape);
 - `vllm:num_preemptions_total` or `vllm:admission_rejections_total` (its own queue limits,
   `--max-num-queued-reqs/-tokens`) rising: the bet lost — back off at once (×BACKOFF);
-- usage below ROOM while requests wait in kvgate's queue: blocks are idle that could serve
-  them — grow (+STEP per scrape); never while usage is at or above ROOM, or unknown;
+- usage below ROOM while requests want room (they wait in kvgate's queue, or were refused
+  at arrival because they would have had to): blocks are idle that could serve them — grow
+  (+STEP per scrape); never while usage is at or above ROOM, or unknown;
 - a waiting queue on the replica while its cache has room (it is limited by something else,
   such as max_num_seqs): more would only wait there, out of kvgate's fair order — shrink back
   towards 1, not below.
@@ -59,7 +60,7 @@ class Overcommit:
         waiting: float | None = None,
         rejections: float | None = None,
     ) -> float:
-        """Fold in one fresh scrape; `demand`: requests are waiting for capacity here;
+        """Fold in one fresh scrape; `demand`: requests wanted capacity here since the last;
         `waiting`: the replica's own queue (requests it accepted but has not started);
         `rejections`: requests its queue limits refused, since it started."""
         state = self._replicas.setdefault(replica_id, _Replica())

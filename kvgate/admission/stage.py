@@ -146,6 +146,7 @@ class Admission:
             demand, ranking, config, self.clock() - started, waited_for
         )
         if slot is None:
+            pool.wanted_room = True
             target = config.queue.target(demand.priority, tenant_target_s)
             future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
             waiter = Waiter(
@@ -341,7 +342,7 @@ class Admission:
         """A discovery round brought fresh scrapes: steer each replica's overcommit by them,
         then let the queues try again."""
         stale = self.current().discovery.stale_after_s
-        waiting = {name for name, pool in self._pools.items() if len(pool.queue)}
+        waiting = {name for name, pool in self._pools.items() if pool.take_demand()}
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
             if scrape is None:

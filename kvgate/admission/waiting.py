@@ -121,6 +121,15 @@ class PoolQueue:
     # predicted), and their worst cases (all of them): the sizes headroom is counted in
     predicted_sizes: RecentSizes = field(default_factory=RecentSizes)
     worst_sizes: RecentSizes = field(default_factory=RecentSizes)
+    # a request found no room on arrival since the last discovery round (it queued, or was
+    # refused at once): demand the queue's depth alone would not show
+    wanted_room: bool = False
+
+    def take_demand(self) -> bool:
+        """Whether requests wanted room here since the last call: some wait now, or one found
+        none on arrival (refused at once, it never showed in the queue)."""
+        wanted, self.wanted_room = self.wanted_room, False
+        return wanted or len(self.queue) > 0
 
     def released(self, blocks: int, held_s: float | None, now: float) -> None:
         """A request gave its blocks back; `held_s`: how long it held them (None: it was

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import pytest
 
 from kvgate.admission.demand import Demand
 from kvgate.config import AdmissionConfig, QueueConfig
+from kvgate.errors import RateLimited
 from tests.admission.test_admission import admit, replica
 from tests.admission.test_admission_predicted import Gate, refused_behind_a_slow_pool
 
@@ -282,3 +284,38 @@ async def eventually_held(gate: Gate, r, blocks: int) -> None:
         return await gate.held(r) >= blocks
 
     await eventually(grown, timeout_s=2, what=f"{blocks} blocks held")
+
+
+async def test_requests_refused_for_room_count_as_demand_so_overcommit_grows_into_an_idle_cache():
+    """At normal load with a latency target, a request that would have to wait is refused at
+    arrival and never sits in the queue. The controller must still see that it wanted room:
+    with vLLM's cache at 30%, the refusals were of blocks reserved but never written, and
+    the factor grows as it would for a queued request. It did not: the queue was empty at
+    every scrape, so the factor stayed at 1.0 and refusals went on (mix at 1×: 150 of 501)."""
+    from kvgate.fleet.scrape import Scrape
+
+    g = Gate(AdmissionConfig(target_utilization=1.0,
+                             queue=QueueConfig(max_wait_s=30, ttft_target_s={"standard": 1})))
+    r = replica("a", blocks=100)
+    pool = g.admission.pool("p")
+    for _ in range(4):  # requests hold a block 9 s here: 90 held free 10 blocks a second
+        pool.released(10, 9.0, time.monotonic())
+
+    def scraped() -> None:
+        r.scrape = Scrape(at=time.monotonic(), kv_usage=0.3, waiting=0, preemptions=0,
+                          admission_rejections=0)
+        g.admission.after_discovery([r])
+
+    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        scraped()  # no request wanted room yet: nothing grows
+        assert g.admission.overcommit.factor(r.id) == 1.0
+        with pytest.raises(RateLimited) as refused:
+            async with admit(g, Demand("p", "m", 16 * 50, "t", "standard"), r):
+                pass
+        assert refused.value.code == "wait_budget_exceeded"
+        assert len(pool.queue) == 0
+        scraped()
+        assert g.admission.overcommit.factor(r.id) > 1.0
+        grown = g.admission.overcommit.factor(r.id)
+        scraped()  # the refusal is counted once: no request wanted room since
+        assert g.admission.overcommit.factor(r.id) == grown
