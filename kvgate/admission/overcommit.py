@@ -11,8 +11,12 @@ how the bet goes, and it says so before vLLM has to preempt:
 - `vllm:num_preemptions_total` or `vllm:admission_rejections_total` (its own queue limits,
   `--max-num-queued-reqs/-tokens`) rising: the bet lost — back off at once (×BACKOFF);
 - usage below ROOM while requests want room (they wait in kvgate's queue, or were refused
-  at arrival because they would have had to): blocks are idle that could serve them — grow
-  (+STEP per scrape); never while usage is at or above ROOM, or unknown;
+  at arrival because they would have had to): blocks are idle that could serve them — grow,
+  never while usage is at or above ROOM, or unknown. The replica says how far: the ledger's
+  reservations over the blocks vLLM really holds is the factor at which what it holds would
+  meet what admission allows. The factor moves half the way there per scrape (the two are
+  read moments apart, and requests just admitted have not been prefilled yet), and at least
+  +STEP;
 - a waiting queue on the replica while its cache has room (it is limited by something else,
   such as max_num_seqs): more would only wait there, out of kvgate's fair order — shrink back
   towards 1, not below.
@@ -59,10 +63,12 @@ class Overcommit:
         demand: bool,
         waiting: float | None = None,
         rejections: float | None = None,
+        reserved_per_held: float | None = None,
     ) -> float:
         """Fold in one fresh scrape; `demand`: requests wanted capacity here since the last;
         `waiting`: the replica's own queue (requests it accepted but has not started);
-        `rejections`: requests its queue limits refused, since it started."""
+        `rejections`: requests its queue limits refused, since it started;
+        `reserved_per_held`: the blocks its ledger reserves over those vLLM holds."""
         state = self._replicas.setdefault(replica_id, _Replica())
         high = kv_usage is not None and kv_usage >= ROOM
         if _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections):
@@ -74,7 +80,8 @@ class Overcommit:
         elif waiting:  # it already has more than it runs: sending more only adds to its queue
             state.factor = max(1.0, state.factor - STEP) if state.factor > 1.0 else state.factor
         elif demand and kv_usage is not None and not high:
-            state.factor = min(HIGH, state.factor + STEP)
+            towards = (reserved_per_held or 0.0) - state.factor
+            state.factor = min(HIGH, state.factor + max(STEP, towards / 2))
         state.preemptions, state.rejections, state.waiting = preemptions, rejections, waiting
         return state.factor
 

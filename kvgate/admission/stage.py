@@ -351,9 +351,18 @@ class Admission:
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
                 demand=replica.pool in waiting, waiting=scrape.waiting,
                 rejections=scrape.admission_rejections,
+                reserved_per_held=self._reserved_per_held(replica, scrape.kv_usage),
             )
             self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
         self.wake_all()
+
+    def _reserved_per_held(self, replica: Replica, kv_usage: float | None) -> float | None:
+        """The ledger's reserved blocks on `replica` over the blocks its vLLM holds (None
+        while it holds none, or its size is unknown)."""
+        blocks = replica.num_gpu_blocks
+        if not kv_usage or not blocks:
+            return None
+        return self.reserved.get(replica.id, 0) / (kv_usage * blocks)
 
     def wake_all(self) -> None:
         for pool in self._pools.values():

@@ -53,3 +53,23 @@ def test_overcommit_backs_off_when_the_replicas_own_queue_limits_refuse_work():
     assert controller.factor("r") == grown * 0.7
     controller.observe("r", preemptions=0, kv_usage=0.3, demand=True, rejections=0)  # restarted
     assert controller.factor("r") > grown * 0.7
+
+
+def test_overcommit_grows_half_the_way_to_what_the_replica_really_holds_per_reserved_block():
+    """The ledger reserves twice what vLLM holds: the factor moves half the way to 2 per
+    scrape instead of +0.1 (a 20 s ramp at a 2 s discovery interval), never past HIGH, and
+    a ratio below the factor still lets it creep up by the step alone."""
+    controller = Overcommit()
+    for expected in (1.5, 1.75):
+        factor = controller.observe("r", preemptions=0, kv_usage=0.5, demand=True,
+                                    reserved_per_held=2.0)  # fmt: skip
+        assert factor == expected
+    assert controller.observe("r", preemptions=0, kv_usage=0.5, demand=True,
+                              reserved_per_held=1.0) == 1.85  # fmt: skip
+    assert controller.observe("r", preemptions=0, kv_usage=0.5, demand=True,
+                              reserved_per_held=9.0) == HIGH  # fmt: skip
+    held = Overcommit()  # without demand, or without room, nothing grows however far it could
+    assert held.observe("r", preemptions=0, kv_usage=0.5, demand=False,
+                        reserved_per_held=2.0) == 1.0  # fmt: skip
+    assert held.observe("r", preemptions=0, kv_usage=0.9, demand=True,
+                        reserved_per_held=2.0) == 1.0  # fmt: skip
