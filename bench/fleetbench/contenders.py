@@ -9,6 +9,8 @@
     kvgate-worst              `kvgate serve`, admission.mode worst_case
     kvgate-predicted          `kvgate serve`, admission.mode predicted
     kvgate-predicted-lookahead  the same with admission.prediction.rule lookahead
+    kvgate-defaults           `kvgate serve` with the admission a user who configured nothing
+                              gets: predicted, no latency targets, max_wait_s 60 s
     kvgate-redis-x2           two `kvgate serve` sharing state in Redis, predicted; the load
                               generator alternates between them
 
@@ -32,6 +34,8 @@ from typing import Any
 
 import aiohttp
 import yaml
+
+from kvgate.config import QueueConfig
 
 from .fleet import Replica
 from .processes import Children, free_port
@@ -64,6 +68,7 @@ class Contender:
     redis: bool = False
     describe: str = ""
     tree: str | None = None  # kvgate run from this checkout's code (`--ab`), not this one's
+    targets: bool = True  # kvgate: the per-class latency targets and queue of TTFT_TARGET_S
 
 
 
@@ -79,6 +84,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               describe="kvgate, admission.mode predicted (every class)"),
     Contender("kvgate-predicted-lookahead", "kvgate", mode="predicted", rule="lookahead",
               describe="kvgate, admission.mode predicted, prediction.rule lookahead"),
+    Contender("kvgate-defaults", "kvgate", mode="predicted", targets=False,
+              describe="kvgate, admission as shipped: no latency targets, max_wait_s 60 s"),
     Contender("kvgate-redis-x2", "kvgate", mode="predicted", instances=2, redis=True,
               describe="two kvgate instances sharing Redis state, predicted, load split"),
 ]}  # fmt: skip
@@ -162,6 +169,9 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
         "queue": {"max_depth": 1024, "max_wait_s": MAX_WAIT_S * time_scale,
                   "ttft_target_s": scaled},
     }  # fmt: skip
+    if not contender.targets:  # kvgate's own queue defaults, in simulated seconds
+        defaults = QueueConfig()
+        admission["queue"] = {"max_wait_s": defaults.max_wait_s * time_scale}
     if contender.rule is not None:
         admission["prediction"] = {"rule": contender.rule}
     pools: dict[str, Any] = {}

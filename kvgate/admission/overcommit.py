@@ -12,11 +12,13 @@ how the bet goes, and it says so before vLLM has to preempt:
   `--max-num-queued-reqs/-tokens`) rising: the bet lost — back off at once (×BACKOFF);
 - usage below ROOM while requests want room (they wait in kvgate's queue, or were refused
   at arrival because they would have had to): blocks are idle that could serve them — grow,
-  never while usage is at or above ROOM, or unknown. The replica says how far: the ledger's
-  reservations over the blocks vLLM really holds is the factor at which what it holds would
-  meet what admission allows. The factor moves half the way there per scrape (the two are
-  read moments apart, and requests just admitted have not been prefilled yet), and at least
-  +STEP;
+  never while usage is at or above ROOM, or unknown. Until the replica first shows a sign
+  of its limit (any of the shrinks above and below), it grows as TCP's slow start does, by
+  as far as the replica says: the ledger's reservations over the blocks vLLM really holds
+  is the factor at which what it holds would meet what admission allows, and the factor
+  moves half the way there per scrape (the two are read moments apart, and requests just
+  admitted have not been prefilled yet). After that, +STEP per scrape: a jump right after
+  easing off would undo the ease within a scrape and overshoot again;
 - a waiting queue on the replica while its cache has room (it is limited by something else,
   such as max_num_seqs): more would only wait there, out of kvgate's fair order — shrink back
   towards 1, not below.
@@ -41,6 +43,7 @@ HIGH_WATER = 0.95  # vLLM's own usage at or above this: the cache is next to ful
 @dataclass(slots=True)
 class _Replica:
     factor: float = 1.0
+    settled: bool = False  # it has shown a sign of its limit: growth is additive from now
     preemptions: float | None = None
     rejections: float | None = None
     waiting: float | None = None
@@ -72,15 +75,16 @@ class Overcommit:
         state = self._replicas.setdefault(replica_id, _Replica())
         high = kv_usage is not None and kv_usage >= ROOM
         if _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections):
-            state.factor = max(LOW, state.factor * BACKOFF)
+            state.factor, state.settled = max(LOW, state.factor * BACKOFF), True
         elif (kv_usage is not None and kv_usage >= HIGH_WATER) or (
             high and _rose(state.waiting, waiting)
         ):
-            state.factor = max(LOW, state.factor * EASE)
+            state.factor, state.settled = max(LOW, state.factor * EASE), True
         elif waiting:  # it already has more than it runs: sending more only adds to its queue
+            state.settled = True
             state.factor = max(1.0, state.factor - STEP) if state.factor > 1.0 else state.factor
         elif demand and kv_usage is not None and not high:
-            towards = (reserved_per_held or 0.0) - state.factor
+            towards = 0.0 if state.settled else (reserved_per_held or 0.0) - state.factor
             state.factor = min(HIGH, state.factor + max(STEP, towards / 2))
         state.preemptions, state.rejections, state.waiting = preemptions, rejections, waiting
         return state.factor

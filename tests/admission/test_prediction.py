@@ -73,3 +73,19 @@ def test_overcommit_grows_half_the_way_to_what_the_replica_really_holds_per_rese
                         reserved_per_held=2.0) == 1.0  # fmt: skip
     assert held.observe("r", preemptions=0, kv_usage=0.9, demand=True,
                         reserved_per_held=2.0) == 1.0  # fmt: skip
+
+
+def test_after_its_first_sign_of_a_limit_the_factor_grows_a_step_at_a_time():
+    """A jump right after an ease would undo it within a scrape: on mix at 3x the factor went
+    from 1.8 back to 2.0 at once, and the replica preempted 12 times. Once the replica has shown
+    its limit (near-full cache, a preemption, its own queue), growth is +0.1 a scrape."""
+    for sign in ({"kv_usage": 0.97}, {"preemptions": 1.0}, {"waiting": 3.0}):
+        controller = Overcommit()
+        controller.observe("r", preemptions=0, kv_usage=0.5, demand=True, reserved_per_held=2.0)
+        assert controller.factor("r") == 1.5
+        controller.observe("r", **{"preemptions": 0, "kv_usage": 0.5, "demand": True, **sign})
+        eased = controller.factor("r")
+        assert eased < 1.5
+        grown = controller.observe("r", preemptions=sign.get("preemptions", 0), kv_usage=0.5,
+                                   demand=True, reserved_per_held=3.0)  # fmt: skip
+        assert grown == eased + 0.1

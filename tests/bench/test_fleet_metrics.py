@@ -131,3 +131,21 @@ def test_the_gateway_config_the_benchmark_writes_is_one_kvgate_accepts(name):
     assert config.pools["long"].min_worst_case_tokens == workload.long_pool_min_tokens
     assert [r.name for r in config.pools["default"].replicas] == list(fleet.NORMAL)
     assert config.state.backend == ("redis" if contender.redis else "memory")
+
+
+def test_the_defaults_contender_sets_no_latency_target_and_waits_kvgates_own_max_wait():
+    """`kvgate-defaults` is kvgate as a user who configured nothing gets it: no target for any
+    class, so nothing is refused early, and the default max_wait_s, in simulated seconds."""
+    from fleetbench import contenders, fleet, workloads
+
+    from kvgate.config import QueueConfig, parse_config
+
+    workload = workloads.WORKLOADS["mix"]
+    replicas = fleet.replicas({n: 8000 + i for i, n in enumerate(fleet.REPLICAS)}, 0.5,
+                              workload.output_lengths)  # fmt: skip
+    config = parse_config(contenders.kvgate_config(
+        contenders.CONTENDERS["kvgate-defaults"], replicas, workload, 0.5, 9000, None))
+    queue = config.admission.queue
+    assert all(queue.target(c) is None for c in ("critical", "standard", "sheddable"))
+    assert queue.max_wait_s == pytest.approx(QueueConfig().max_wait_s * 0.5)
+    assert queue.max_depth == QueueConfig().max_depth
