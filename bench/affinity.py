@@ -54,6 +54,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleetbench.processes import free_port  # bench/ is on the path when run
+from fleetbench.prompts import SIM_TOKENIZER
 
 from kvgate.commands.demo import start_gateway
 from kvgate.config import parse_config
@@ -76,9 +77,6 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
 WITH_EVENTS = {"kvgate-events", "kvgate-events-load_factor-1"}
 EVENTS = orjson.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                        "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}).decode()
-ROOT = Path(__file__).resolve().parents[1]
-SIM_TOKENIZER = {"kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
-                 "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}
 BLOCK = 16
 LARGEST_REQUEST_BLOCKS = 64  # a late turn's prompt and its answer, about
 SYSTEM = "You are a careful analyst. Answer from the document; say so when it does not say."

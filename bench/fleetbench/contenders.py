@@ -9,6 +9,8 @@
     kvgate-worst              `kvgate serve`, admission.mode worst_case
     kvgate-predicted          `kvgate serve`, admission.mode predicted
     kvgate-predicted-lookahead  the same with admission.prediction.rule lookahead
+    kvgate-events             `kvgate serve`, predicted, routing on the replicas' KV cache events
+                              (workloads whose replicas publish them: rag)
     kvgate-defaults           `kvgate serve` with the admission a user who configured nothing
                               gets: predicted, no latency targets, max_wait_s 60 s
     kvgate-redis-x2           two `kvgate serve` sharing state in Redis, predicted; the load
@@ -39,6 +41,7 @@ from kvgate.config import QueueConfig
 
 from .fleet import Replica
 from .processes import Children, free_port
+from .prompts import MODEL, SIM_TOKENIZER
 from .workloads import Workload
 
 REDIS_URL = os.environ.get("KVGATE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -69,6 +72,7 @@ class Contender:
     describe: str = ""
     tree: str | None = None  # kvgate run from this checkout's code (`--ab`), not this one's
     targets: bool = True  # kvgate: the per-class latency targets and queue of TTFT_TARGET_S
+    kv_events: bool = False  # kvgate subscribes to the replicas' KV cache events
 
 
 
@@ -84,6 +88,8 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               describe="kvgate, admission.mode predicted (every class)"),
     Contender("kvgate-predicted-lookahead", "kvgate", mode="predicted", rule="lookahead",
               describe="kvgate, admission.mode predicted, prediction.rule lookahead"),
+    Contender("kvgate-events", "kvgate", mode="predicted", kv_events=True,
+              describe="kvgate, admission.mode predicted, routing on the replicas' KV events"),
     Contender("kvgate-defaults", "kvgate", mode="predicted", targets=False,
               describe="kvgate, admission as shipped: no latency targets, max_wait_s 60 s"),
     Contender("kvgate-redis-x2", "kvgate", mode="predicted", instances=2, redis=True,
@@ -128,10 +134,12 @@ async def start(contender: Contender, children: Children, http: aiohttp.ClientSe
     return await _start_kvgate(contender, children, http, fleet, workload, time_scale, run_id)
 
 
-def available(contender: Contender) -> str | None:
-    """Why the contender cannot run here, or None."""
+def available(contender: Contender, workload: Workload | None = None) -> str | None:
+    """Why the contender cannot run here (on `workload`), or None."""
     if contender.kind == "vllm-router" and vllm_router_command() is None:
         return "the vllm-router command is not installed (pip install -e '.[bench]')"
+    if contender.kv_events and workload is not None and not workload.kv_events:
+        return f"the {workload.name} workload's replicas publish no KV events (rag's do)"
     return None
 
 
@@ -177,7 +185,11 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
     pools: dict[str, Any] = {}
     for replica in fleet:
         pool = pools.setdefault(replica.pool, {"replicas": []})
-        pool["replicas"].append({"url": replica.url, "name": replica.name})
+        entry: dict[str, Any] = {"url": replica.url, "name": replica.name}
+        if contender.kv_events and replica.kv_events is not None:
+            entry["kv_events"] = replica.kv_events
+            pool["kv_events"] = {}
+        pool["replicas"].append(entry)
     pools["long"]["min_worst_case_tokens"] = workload.long_pool_min_tokens
     state: dict[str, Any] = {"backend": "memory"}
     if redis_prefix is not None:
@@ -195,6 +207,9 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
         "tenants": [{**t, "api_key_sha256": [hashlib.sha256(t["name"].encode()).hexdigest()]}
                     for t in TENANTS],
         "state": state,
+        # the chats' token ids, exactly, where routing reads the replicas' caches
+        **({"models": [{"name": MODEL, "tokenizer": SIM_TOKENIZER}]} if contender.kv_events
+           else {}),
     }  # fmt: skip
 
 

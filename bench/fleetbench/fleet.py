@@ -17,6 +17,7 @@ max_model_len 32,768) is a larger, faster group of GPUs, so the normal pool satu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ class Replica:
     pool: str  # "default" or "long", as kvgate's config names them
     port: int
     settings: dict[str, Any]  # SimConfig keys
+    # where it publishes its KV cache events, as kvgate's replica `kv_events` names them
+    kv_events: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -53,14 +56,25 @@ class Replica:
 
 
 def replicas(ports: dict[str, int], time_scale: float, output_lengths: dict[str, Any],
-             seed: int = 0) -> list[Replica]:  # fmt: skip
-    """The fleet's replicas on the given ports; `seed` shifts every replica's own seed."""
+             seed: int = 0, events_ports: dict[str, tuple[int, int]] | None = None,
+             ) -> list[Replica]:  # fmt: skip
+    """The fleet's replicas on the given ports; `seed` shifts every replica's own seed;
+    `events_ports`: (publisher, replay) per replica, where each publishes vLLM's KV events."""
     fleet = []
     for name, knobs in REPLICAS.items():
         settings = {**knobs, **TIMING, **OVERRIDES.get(name, {}), **output_lengths,
                     "time_scale": time_scale,
                     "seed": knobs["seed"] + 100 * seed}  # fmt: skip
-        fleet.append(Replica(name, "long" if name == LONG else "default", ports[name], settings))
+        endpoints = None
+        if events_ports is not None:
+            pub, replay = events_ports[name]
+            settings["kv_events_config"] = json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})
+            endpoints = {"endpoint": f"tcp://127.0.0.1:{pub}",
+                         "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+        pool = "long" if name == LONG else "default"
+        fleet.append(Replica(name, pool, ports[name], settings, endpoints))
     return fleet
 
 

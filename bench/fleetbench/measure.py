@@ -57,11 +57,14 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
     record: dict[str, Any] = {"workload": spec.workload.name, "load": spec.load,
                               "rate_per_s": spec.rate_per_s, "contender": spec.contender.name,
                               "repeat": spec.repeat}  # fmt: skip
-    why = contenders.available(spec.contender)
+    why = contenders.available(spec.contender, spec.workload)
     if why is not None:
         return {**record, "error": why}
     ports = {name: free_port() for name in fleet.REPLICAS}
-    replicas = fleet.replicas(ports, spec.time_scale, spec.workload.output_lengths)
+    events = ({name: (free_port(), free_port()) for name in fleet.REPLICAS}
+              if spec.workload.kv_events else None)  # fmt: skip
+    replicas = fleet.replicas(ports, spec.time_scale, spec.workload.output_lengths,
+                              events_ports=events)  # fmt: skip
     wall_items = [dataclasses.replace(i, at_s=i.at_s * spec.time_scale) for i in items]
     running: contenders.Running | None = None
     started = time.monotonic()

@@ -7,10 +7,21 @@ words is n tokens plus its messages' template, as the replicas count it.
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
+from kvgate.sim.text import IM_END, IM_START
 from kvgate.tools.workload import WorkItem
 
 MODEL = "sim-model"
+# kvgate's `models[].tokenizer` for the simulator: its ChatML template, with the markers as
+# the single tokens it counts them as, so kvgate knows a chat's token ids exactly (what
+# precise prefix routing on the replicas' KV events needs)
+SIM_TOKENIZER: dict[str, Any] = {
+    "kind": "tiktoken",
+    "template_file": str(Path(__file__).resolve().parents[2] / "config" / "sim-chatml.jinja"),
+    "special_tokens": {"<|im_start|>": IM_START, "<|im_end|>": IM_END},
+}
 # Each a single cl100k token with its leading space.
 WORDS = (
     "the", "data", "model", "answer", "request", "customer", "order", "invoice", "account",
@@ -28,6 +39,12 @@ EXTRACTION_PROMPT = (
     "Extract every order number, amount and date from the text below and return them as a "
     "JSON list of objects with the keys order, amount and date. "
 ) * 3  # 91 tokens: the instruction of every bulk extraction job
+
+
+RAG_PROMPT = (
+    "You are the analyst of Example Corp's document desk. Answer from the document the user "
+    "gives you; say so when it does not say. "
+) * 4  # the system prompt every question about a document is asked under
 
 
 def words(rng: random.Random, count: int) -> str:

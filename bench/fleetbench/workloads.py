@@ -11,6 +11,12 @@ production trace (`trace.py`). `realistic` is what a chat product sees, with thr
     the long-context pool;
   * `batch` (sheddable): bursts of extraction jobs, a dozen at once.
 
+`rag` is reuse of long shared content: RAG_DOCUMENTS documents of 1,000-2,000 tokens, each
+asked about by many users in separate single-question chats under one system prompt (vip's
+8% critical, the rest chat-app's). Every request's prompt is a document most of whose blocks
+some replica already caches, which only the replicas' KV events show a router (the
+fingerprint of the system prompt is the same for all of them); the replicas publish them.
+
 Arrivals are Poisson (sessions and bursts start as Poisson processes; a session's next turn
 follows after a think time, whatever happened to the previous one, so the workload is the
 same for every contender). Sessions already start before time 0 (their earlier turns are
@@ -28,7 +34,7 @@ from typing import Any
 from kvgate.tools.workload import SYSTEM_PROMPT, WorkItem, build_workload
 
 from . import trace
-from .prompts import ASSISTANT_PROMPT, EXTRACTION_PROMPT, MODEL, chat, words
+from .prompts import ASSISTANT_PROMPT, EXTRACTION_PROMPT, MODEL, RAG_PROMPT, chat, words
 
 # Shares of the realistic workload's requests.
 VIP_SHARE, DOCUMENT_SHARE, BATCH_SHARE = 0.08, 0.05, 0.20
@@ -38,6 +44,7 @@ THINK_S = 6.0  # mean simulated seconds between a session's turns
 BURST = (8, 16)  # jobs per batch burst, uniformly
 BURST_SPREAD_S = 2.0  # a burst's jobs arrive within this many simulated seconds
 DOCUMENT_TOKENS = (9000, 14000)  # long documents: prompt + max_tokens is above 8192
+RAG_DOCUMENTS, RAG_DOCUMENT_TOKENS = 32, (1000, 2000)
 # The trace's run settings (simulated seconds; wall seconds per simulated second).
 TRACE_WARMUP_S, TRACE_DURATION_S, TRACE_TIME_SCALE = 12.0, 36.0, 0.25
 
@@ -60,6 +67,7 @@ class Workload:
     time_scale: float
     describe: str = ""
     repeats: int = 1  # runs of every cell unless --repeats says otherwise
+    kv_events: bool = False  # the replicas publish vLLM's KV cache events
 
 
 def build_mix(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
@@ -90,6 +98,21 @@ def build_realistic(seed: int, duration_s: float, rate: float) -> list[WorkItem]
                 items.append(chat(at, "short", "batch", EXTRACTION_PROMPT, [text], [],
                                   rng.choice([1024, 2048])))  # fmt: skip
     items.sort(key=lambda item: item.at_s)
+    return items
+
+
+def build_rag(seed: int, duration_s: float, rate: float) -> list[WorkItem]:
+    """About `rate` questions per simulated second for `duration_s`, each about one of the
+    shared documents (the same documents for every seed), sorted by arrival."""
+    corpus = random.Random(7_919)
+    documents = [words(corpus, corpus.randint(*RAG_DOCUMENT_TOKENS)) for _ in range(RAG_DOCUMENTS)]
+    rng = random.Random(seed)
+    items: list[WorkItem] = []
+    for at in _poisson(rng, rate, duration_s):
+        n = rng.randrange(RAG_DOCUMENTS)
+        question = f"Document {n}:\n{documents[n]}\n\nWhat does it say of {words(rng, 2)}?"
+        tenant = "vip" if rng.random() < VIP_SHARE else "chat-app"
+        items.append(chat(at, "short", tenant, RAG_PROMPT, [question], [], 1024))
     return items
 
 
@@ -140,6 +163,16 @@ WORKLOADS: dict[str, Workload] = {
                                    "(vip, critical), long documents, bursts of extraction jobs "
                                    "(batch, sheddable); max_tokens 1,024-4,096, answers a "
                                    "lognormal 10% of it"),
+    # Shared documents: prompts of 1,000-2,000 tokens that the replicas cache, answers a
+    # lognormal 15% of max_tokens 1,024 (about 150 tokens).
+    "rag": Workload("rag", build_rag, 8192,
+                    {"output_len_dist": "lognormal", "output_len_median_fraction": 0.15,
+                     "output_len_sigma": 0.5},
+                    warmup_s=12.0, duration_s=36.0, time_scale=0.25, repeats=3, kv_events=True,
+                    describe=f"{RAG_DOCUMENTS} shared documents of 1,000-2,000 tokens, each "
+                             "asked about by many users under one system prompt (8% vip, "
+                             "critical; the rest chat-app); max_tokens 1,024, answers a "
+                             "lognormal 15% of it; the replicas publish KV cache events"),
     # A production trace: its answer lengths ride on each request (no output_len_* needed).
     **{name: Workload(name, build, trace.LONG_POOL_MIN_TOKENS, {},
                       warmup_s=TRACE_WARMUP_S, duration_s=TRACE_DURATION_S,

@@ -149,3 +149,45 @@ def test_the_defaults_contender_sets_no_latency_target_and_waits_kvgates_own_max
     assert all(queue.target(c) is None for c in ("critical", "standard", "sheddable"))
     assert queue.max_wait_s == pytest.approx(QueueConfig().max_wait_s * 0.5)
     assert queue.max_depth == QueueConfig().max_depth
+
+
+def test_the_events_contender_subscribes_to_every_replica_and_counts_token_ids_exactly():
+    """On rag the replicas publish KV events on ports of their own, and `kvgate-events` reads
+    them with the simulator's exact tokenizer; on a workload whose replicas publish none it
+    does not run (its figures would be the fingerprint router's under another name)."""
+    from fleetbench import contenders, fleet, workloads
+
+    from kvgate.config import parse_config
+
+    workload = workloads.WORKLOADS["rag"]
+    events = {n: (7000 + 2 * i, 7001 + 2 * i) for i, n in enumerate(fleet.REPLICAS)}
+    replicas = fleet.replicas({n: 8000 + i for i, n in enumerate(fleet.REPLICAS)}, 0.25,
+                              workload.output_lengths, events_ports=events)  # fmt: skip
+    assert all('"endpoint": "tcp://*:' in r.settings["kv_events_config"] for r in replicas)
+    contender = contenders.CONTENDERS["kvgate-events"]
+    config = parse_config(contenders.kvgate_config(contender, replicas, workload, 0.25, 9000,
+                                                   None))  # fmt: skip
+    assert config.pools["default"].kv_events is not None
+    first = config.pools["default"].replicas[0]
+    assert first.kv_events is not None and first.kv_events.endpoint == "tcp://127.0.0.1:7000"
+    assert config.model("sim-model").tokenizer.special_tokens == {"<|im_start|>": 100264,
+                                                                  "<|im_end|>": 100265}
+    plain = parse_config(contenders.kvgate_config(contenders.CONTENDERS["kvgate-predicted"],
+                                                  replicas, workload, 0.25, 9000, None))
+    assert plain.pools["default"].kv_events is None
+    assert contenders.available(contender, workloads.WORKLOADS["mix"]) is not None
+    assert contenders.available(contender, workload) is None
+
+
+def test_the_rag_workload_asks_about_few_documents_under_one_system_prompt():
+    from fleetbench import workloads
+
+    items = workloads.build_rag(0, 36.0, 5.0)
+    assert 120 <= len(items) <= 240
+    systems = {i.body["messages"][0]["content"] for i in items}
+    documents = {i.body["messages"][1]["content"].split(":", 1)[0] for i in items}
+    assert len(systems) == 1 and len(documents) == workloads.RAG_DOCUMENTS
+    assert items == sorted(items, key=lambda i: i.at_s)
+    again = workloads.build_rag(1, 36.0, 5.0)  # another seed: other arrivals, same documents
+    assert again[0].body["messages"][1]["content"].split("\n\n")[0] in {
+        i.body["messages"][1]["content"].split("\n\n")[0] for i in items}
