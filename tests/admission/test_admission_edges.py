@@ -14,6 +14,7 @@ import pytest
 from kvgate.admission.demand import Demand
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
+from kvgate.fleet.scrape import Scrape
 from tests.admission.test_admission import admit, replica
 from tests.admission.test_admission_predicted import Gate, refused_behind_a_slow_pool
 
@@ -292,8 +293,6 @@ async def test_requests_refused_for_room_count_as_demand_so_overcommit_grows_int
     with vLLM's cache at 30%, the refusals were of blocks reserved but never written, and
     the factor grows as it would for a queued request. It did not: the queue was empty at
     every scrape, so the factor stayed at 1.0 and refusals went on (mix at 1×: 150 of 501)."""
-    from kvgate.fleet.scrape import Scrape
-
     g = Gate(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=30, ttft_target_s={"standard": 1})))
     r = replica("a", blocks=100)
