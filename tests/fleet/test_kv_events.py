@@ -145,12 +145,26 @@ def rebuilt(batches: list[tuple[int, Any]], capacity: int) -> BlockIndex:
     return index
 
 
+async def joined(http: aiohttp.ClientSession, replica: SimReplica, state: ReplicaEvents) -> None:
+    """Until the subscriber hears the replica. A SUB socket that has just connected loses what
+    is published before its subscription reaches the publisher (ZMQ's slow joiner), and a
+    test whose traffic all came before then would wait for a batch that never follows. An
+    empty cache's reset publishes a batch (AllBlocksCleared) and changes nothing else."""
+
+    async def heard() -> bool:
+        async with http.post(f"{replica.url}/reset_prefix_cache") as response:
+            assert (await response.json())["success"]
+        return state.sequencer.last is not None
+
+    await eventually(heard, what="the subscriber heard the replica", interval_s=0.05)
+
+
 async def caught_up(replica: SimReplica, state: ReplicaEvents) -> None:
     async def done() -> bool:
         batches = await replay(replica)
         return bool(batches) and state.sequencer.last == batches[-1][0]
 
-    await eventually(done, timeout_s=5, what="the subscriber caught up")
+    await eventually(done, what="the subscriber caught up")
 
 
 async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory):
@@ -158,6 +172,7 @@ async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory)
     async with aiohttp.ClientSession() as http:
         _, state, task = await started(replica)
         try:
+            await joined(http, replica, state)
             await complete(http, replica, PROMPT)
             await caught_up(replica, state)
             ids = await tokens(http, replica, PROMPT)
@@ -200,6 +215,7 @@ async def test_an_engine_restart_resets_the_index_and_replays_from_zero(sim_fact
     async with aiohttp.ClientSession() as http:
         _, state, task = await started(replica)
         try:
+            await joined(http, replica, state)
             for i in range(10):
                 await complete(http, replica, f"{i} " + PROMPT)
             await caught_up(replica, state)
