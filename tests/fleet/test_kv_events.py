@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -145,15 +146,22 @@ def rebuilt(batches: list[tuple[int, Any]], capacity: int) -> BlockIndex:
     return index
 
 
-async def joined(http: aiohttp.ClientSession, replica: SimReplica, state: ReplicaEvents) -> None:
-    """Until the subscriber hears the replica. A SUB socket that has just connected loses what
-    is published before its subscription reaches the publisher (ZMQ's slow joiner), and a
-    test whose traffic all came before then would wait for a batch that never follows. An
-    empty cache's reset publishes a batch (AllBlocksCleared) and changes nothing else."""
-
-    async def heard() -> bool:
+async def joined(
+    http: aiohttp.ClientSession, replica: SimReplica, state: ReplicaEvents,
+    publish: Callable[[], Awaitable[object]] | None = None,
+) -> None:
+    """Until the subscriber hears the replica, publishing a batch at each try: by default an
+    empty cache's reset (an AllBlocksCleared, and nothing else changes). A SUB socket that has
+    just connected loses what is published before its subscription reaches the publisher
+    (ZMQ's slow joiner), and a test whose traffic all came before then would wait for a
+    batch that never follows."""
+    async def reset() -> None:
         async with http.post(f"{replica.url}/reset_prefix_cache") as response:
             assert (await response.json())["success"]
+
+    async def heard() -> bool:
+        if state.sequencer.last is None:
+            await (publish or reset)()
         return state.sequencer.last is not None
 
     await eventually(heard, what="the subscriber heard the replica", interval_s=0.05)
@@ -197,10 +205,9 @@ async def test_a_subscriber_that_starts_late_replays_from_zero(sim_factory):
             await complete(http, replica, f"before {i} " + PROMPT)
         _, state, task = await started(replica)
         try:
-            for i in range(10):  # a SUB socket joins late: publish until it hears
-                await complete(http, replica, f"after {i} " + PROMPT)
-                if state.sequencer.last is not None:
-                    break
+            after = iter(range(1 << 20))  # a new prompt at each try: new blocks, a batch
+            await joined(http, replica, state,
+                         lambda: complete(http, replica, f"after {next(after)} " + PROMPT))
             await caught_up(replica, state)
             ids = await tokens(http, replica, "before 0 " + PROMPT)
             assert state.index.leading(block_keys(ids, 16)) == len(ids) // 16
@@ -304,10 +311,9 @@ async def test_the_fleet_drops_the_index_of_a_replica_that_fails_or_goes_silent(
     try:
         events.sync([r], config)
         async with aiohttp.ClientSession() as http:
-            for i in range(10):
+            await joined(http, replica, events.states["a"])
+            for i in range(3):
                 await complete(http, replica, f"{i} " + PROMPT)
-                if events.index("a") is not None:
-                    break
         assert events.index("a") is not None and events.describe("a")["subscribed"]
         r.healthy = False
         events.sync([r], config)
