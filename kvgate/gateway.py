@@ -198,7 +198,7 @@ class Gateway:
         x.slot.progress = written_tokens(x.parsed, x.bound, attempt)
         demand = x.route.demand
         replica.inflight[x.info.key] = Writing(
-            x.slot.progress, demand.prefix_key, demand.prefix_tokens
+            x.slot.progress, demand.shared_keys(replica.kv_block_size)
         )
         self.kv_events.expect(replica.id, x.route.token_ids, replica.kv_block_size)
         try:

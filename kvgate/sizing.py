@@ -46,6 +46,8 @@ class Sizing:
             prompt_tokens=bound.prompt_tokens * parsed.sequences,
             prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
             prefix_tokens=prefix if count.prefix_key else 0,
+            # exact ids share blocks by content (one sequence: n > 1 is counted n times)
+            token_ids=count.token_ids if parsed.sequences == 1 and bound.prompts == 1 else None,
             # the request runs at most total_s once forwarded; the lease TTL is the grace
             max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
             **self.predicted(pool, parsed, tenant, bound, config),

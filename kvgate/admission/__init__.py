@@ -6,7 +6,7 @@ otherwise it waits in a fair queue or is refused clearly.
     placement.py      per-replica limits: where a demand may go now, and whether it ever fits
     ledger.py         per-replica books of reserved blocks, shared across instances
     leases.py         reservations kept alive while held, dropped when leaked
-    shared_prefix.py  a common prompt prefix reserved once per replica
+    shared_prefix.py  blocks that live requests share, reserved once per replica
     queue.py          the fair queue: classes, tenants, weights
     waiting.py        how long a queued request waits, and when room frees
     prediction.py     answer lengths by request shape (predicted mode)

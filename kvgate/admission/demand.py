@@ -9,11 +9,12 @@ moves leases in the store.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvgate.admission.shared_prefix import SharedPrefix, credit_blocks
+from kvgate.admission.shared_prefix import SharedUse, credit_blocks, exact_shared_blocks
+from kvgate.fleet.block_index import LazyKeys
 from kvgate.fleet.replicas import Replica
 
 if TYPE_CHECKING:
@@ -37,6 +38,10 @@ class Demand:
     priority: str
     prefix_key: str | None = None  # identifies the prompt's shareable prefix
     prefix_tokens: int = 0
+    # the prompt's token ids, where kvgate knows them exactly (one prompt, one sequence): its
+    # blocks are then shared by their content, not by the first message's estimate
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    _keys: dict[int, list[Hashable]] = field(default_factory=dict, compare=False, repr=False)
     # The longest the request may hold its reservation (its total timeout): a lease held
     # longer was leaked, and the keeper drops it.
     max_hold_s: float | None = None
@@ -71,10 +76,26 @@ class Demand:
         """The most `view`'s ledger may hold with this request on it."""
         return view.limit(self.predicted, self.priority, self.blocks_on(view.replica))
 
-    def prefix_blocks_on(self, replica: Replica) -> int:
-        if self.prefix_key is None:
-            return 0
-        return min(self.blocks_on(replica), credit_blocks(self.prefix_tokens, replica.kv_block_size))
+    def shared_keys(self, block_size: int) -> Sequence[Hashable]:
+        """The keys of the prompt's blocks that live requests with the same leading tokens
+        share on a replica of `block_size` (`kvgate.admission.shared_prefix`): with exact
+        token ids, their chained content keys; else the first message's estimated full
+        blocks, less one, keyed by the prefix and their place. Made once per block size."""
+        keys = self._keys.get(block_size)
+        if keys is None:
+            if self.token_ids is not None:
+                blocks = exact_shared_blocks(len(self.token_ids), block_size)
+                keys = list(LazyKeys(self.token_ids, block_size).first(blocks))
+            elif self.prefix_key is not None:
+                keys = [(self.prefix_key, i) for i in range(credit_blocks(self.prefix_tokens, block_size))]
+            else:
+                keys = []
+            self._keys[block_size] = keys
+        return keys
+
+    def shared_keys_on(self, replica: Replica) -> Sequence[Hashable]:
+        """`shared_keys` on `replica`, never more than the request reserves there."""
+        return self.shared_keys(replica.kv_block_size)[: self.blocks_on(replica)]
 
 
 @dataclass(eq=False, slots=True)
@@ -85,7 +106,7 @@ class Slot:
     lease_id: str
     blocks: int  # reserved for this request alone (grows with a predicted answer)
     queued_s: float = 0.0
-    shared: SharedPrefix | None = None  # the prefix blocks it shares with others
+    shared: SharedUse | None = None  # the blocks it shares with others
     released: bool = False
     queued: bool = False  # it waited in the queue (was not admitted on arrival)
     worst_blocks: int = 0  # the request's bound: growth never goes past it

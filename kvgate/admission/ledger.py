@@ -27,11 +27,11 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterator, Sequence
 
 from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.admission.leases import LeaseKeeper
-from kvgate.admission.shared_prefix import SharedPrefix, SharedPrefixes
+from kvgate.admission.shared_prefix import ReplicaShare, SharedBlocks, SharedUse
 from kvgate.errors import KvgateError
 from kvgate.fleet.replicas import Replica
 from kvgate.metrics import Metrics
@@ -58,7 +58,7 @@ class Ledger:
         # moves whenever one starts or ends (a read is applied only if it did not move)
         self._unsettled: dict[str, int] = {}
         self._changes: dict[str, int] = {}
-        self.prefixes = SharedPrefixes()
+        self.prefixes = SharedBlocks()
         self.growing: set[Slot] = set()  # admitted predicted reservations, grown as they run
         self.exact: dict[str, int] = {}  # of `reserved`, this instance's worst-case reservations
         # of `reserved`, this instance's reservations of the classes below critical: their
@@ -74,30 +74,23 @@ class Ledger:
         ttl: float,
         on_stale: Callable[[Slot], Awaitable[None]],
     ) -> Slot | None:
-        """Reserve on one replica, within `limit` blocks: the request's own blocks, plus (first
-        of its prefix here) the shared prefix's blocks as a lease of their own. None: no room.
-        `on_stale` releases the slot if its request holds it past `demand.max_hold_s`."""
+        """Reserve on one replica, within `limit` blocks: the request's own blocks, and those
+        of its shared blocks that no live request here counts yet, on the replica's shared
+        lease. None: no room. `on_stale` releases the slot if its request holds it past
+        `demand.max_hold_s`."""
         key, lease_id = ledger_key(replica.id), os.urandom(12).hex()
         blocks = demand.blocks_on(replica)
-        taken = await self._share_prefix(replica, demand, lease_id, blocks, limit, ttl)
-        if taken is None:
-            return None
-        shared, own_granted = taken
-        own = max(0, blocks - (shared.blocks if shared else 0))
-        try:
-            granted = (
-                own_granted if own_granted is not None
-                else await self._acquire(replica.id, lease_id, own, limit, ttl)
-            )  # fmt: skip
-        except BaseException:  # store failure or cancellation: the prefix is not ours to keep
-            if shared is not None:
-                await finish(self._unshare(shared))
-            raise
-        if not granted:
-            if shared is not None:
-                await finish(self._unshare(shared))
-            return None
-        worst_own = demand.worst_blocks_on(replica) - (shared.blocks if shared else 0)
+        keys = demand.shared_keys_on(replica)
+        shared: SharedUse | None = None
+        if keys:
+            shared = await self._share(replica.id, keys, lease_id, blocks - len(keys), limit, ttl)
+            if shared is None:
+                return None
+        else:
+            if not await self._acquire(replica.id, lease_id, blocks, limit, ttl):
+                return None
+        own = blocks - len(keys)
+        worst_own = demand.worst_blocks_on(replica) - len(keys)
         slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
                     ahead=demand.margin_tokens, forecast=demand.forecast,
                     exact=not demand.predicted, lower_class=demand.priority != "critical")
@@ -110,51 +103,56 @@ class Ledger:
         )
         return slot
 
-    async def _share_prefix(
-        self, replica: Replica, demand: Demand, lease_id: str, blocks: int, limit: int,
+    async def _share(
+        self, replica_id: str, keys: Sequence[Hashable], own_id: str, own: int, limit: int,
         ttl: float,
-    ) -> tuple[SharedPrefix | None, bool | None] | None:
-        """The request's share of its prefix's blocks on `replica`: (the shared prefix, or None
-        for no credit; whether the request's own blocks were granted together with a new
-        prefix's lease, or None if they are still to take). None: the new prefix's lease was
-        refused, so the request does not fit."""
-        prefix_blocks = demand.prefix_blocks_on(replica)
-        if not prefix_blocks or demand.prefix_key is None:
-            return None, None
-        shared = self.prefixes.get(replica.id, demand.prefix_key)
-        if shared is None:
-            shared = self.prefixes.open(replica.id, demand.prefix_key, prefix_blocks)
-            try:
-                live, own_granted = await self._acquire_both(
-                    replica.id, shared.lease_id, prefix_blocks, lease_id, blocks - prefix_blocks,
-                    limit, ttl,
-                )
-                if live:
-                    self.prefixes.granted(shared)
-            finally:
-                if not shared.live:
-                    self.prefixes.drop(shared)  # refused, failed or cancelled
-            if not shared.live:
+    ) -> SharedUse | None:
+        """The request's own blocks, and its shared `keys` on the replica: those live requests
+        there count already are its credit, the rest grow the replica's shared lease, in one
+        round trip with a pipelining store. None: no room, and nothing is kept. The replica's
+        shared blocks change one request at a time (its lock), so the lease's amount in the
+        store follows the count in order."""
+        share = self.prefixes.of(replica_id)
+        async with share.lock:
+            new = len(keys) - share.credit(keys)
+            if new == 0:
+                granted = await self._acquire(replica_id, own_id, own, limit, ttl)
+            else:
+                granted = await self._acquire_both(replica_id, share, new, own_id, own, limit, ttl)
+            if not granted:
                 return None
-            self.keeper.add(ledger_key(replica.id), shared.lease_id, ttl_s=ttl)  # while shared
-            return shared, own_granted
-        if shared.live and shared.blocks <= prefix_blocks:
-            shared.refs += 1
-            return shared, None
-        # being acquired by another request, or larger than this request's own prefix (its
-        # estimate moved since): no credit, lest the request reserve less than 0
-        return None, None
+            had = share.held
+            share.add(keys)
+            if not had:
+                self.keeper.add(ledger_key(replica_id), share.lease_id, ttl_s=ttl)  # while used
+        return SharedUse(share, keys)
 
-    async def _unshare(self, shared: SharedPrefix) -> None:
-        shared.refs -= 1
-        if shared.refs > 0:
-            return
-        self.prefixes.drop(shared)
-        key = ledger_key(shared.replica_id)
-        self.keeper.discard(key, shared.lease_id)
-        with self._changing(shared.replica_id):
-            self._count(shared.replica_id, -shared.blocks)
-            await self.release_lease(key, shared.lease_id)
+    async def _unshare(self, shared: SharedUse) -> None:
+        """The request's shared keys stop counting: the replica's shared lease shrinks by the
+        blocks no live request uses any more (released once none is left)."""
+        share = shared.share
+        key = ledger_key(share.replica_id)
+        async with share.lock:
+            dropped = share.remove(shared.keys)
+            if not dropped:
+                return
+            with self._changing(share.replica_id):
+                self._count(share.replica_id, -dropped)
+                if share.held:
+                    await self._set_shared(share, share.held)
+                else:
+                    self.keeper.discard(key, share.lease_id)
+                    await self.release_lease(key, share.lease_id)
+
+    async def _set_shared(self, share: ReplicaShare, blocks: int) -> None:
+        """The replica's shared lease at `blocks` (a shrink, or an undone growth: no limit)."""
+        try:
+            await self.store.try_acquire(
+                ledger_key(share.replica_id), share.lease_id, blocks, UNLIMITED, self.keeper.ttl_s
+            )
+        except (StateStoreError, KvgateError) as exc:
+            # it stays at its larger amount until the next change sets it, or expires by TTL
+            log.warning("could not shrink the shared blocks on %s: %s", share.replica_id, exc)
 
     def _count(self, replica_id: str, blocks: int) -> None:
         self.reserved[replica_id] = max(0, self.reserved.get(replica_id, 0) + blocks)
@@ -197,47 +195,55 @@ class Ledger:
         return granted
 
     async def _acquire_both(
-        self, replica_id: str, prefix_id: str, prefix_blocks: int, own_id: str, own: int,
+        self, replica_id: str, share: ReplicaShare, new: int, own_id: str, own: int,
         limit: int, ttl: float,
-    ) -> tuple[bool, bool]:
-        """A new shared prefix's lease and the request's own, in one round trip with a
-        pipelining store: the prefix first, within room for both, then the own
-        blocks. A refused prefix keeps nothing: (False, False). Protected, and counted while
-        the store decides, as in `_acquire`."""
-        key = ledger_key(replica_id)
+    ) -> bool:
+        """The replica's shared lease grown by `new` blocks, within room for the request's own
+        too, and the request's own lease, in one round trip with a pipelining store. Both or
+        neither: what one took is given back when the other was refused or failed.
+        Protected, and counted while the store decides, as in `_acquire`. Called under the
+        share's lock."""
+        key, before = ledger_key(replica_id), share.held
 
-        async def both() -> tuple[bool, bool]:
-            prefix, mine = await together(
-                self.store.try_acquire(key, prefix_id, prefix_blocks, limit - own, ttl),
+        async def give_back(grew: object, mine: object) -> None:
+            await together(
+                self._undo_growth(share, before) if grew is True else None,
+                self.release_lease(key, own_id) if mine is True else None,
+            )
+
+        async def both() -> bool:
+            grew, mine = await together(
+                self.store.try_acquire(key, share.lease_id, before + new, limit - own, ttl),
                 self.store.try_acquire(key, own_id, own, limit, ttl),
             )
-            failed = next((r for r in (prefix, mine) if isinstance(r, BaseException)), None)
-            if failed is None and prefix is True:
-                return True, mine is True
-            await together(*(
-                self.release_lease(key, lease) for got, lease in ((prefix, prefix_id), (mine, own_id))
-                if got is True
-            ))  # fmt: skip
+            if grew is True and mine is True:
+                return True
+            await give_back(grew, mine)
+            failed = next((r for r in (grew, mine) if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise failed
-            return False, False
+            return False
 
-        async def undo(granted: tuple[bool, bool]) -> None:
-            await together(*(
-                self.release_lease(key, lease)
-                for got, lease in zip(granted, (prefix_id, own_id), strict=True) if got
-            ))  # fmt: skip
+        async def undo(granted: bool) -> None:
+            if granted:
+                await give_back(True, True)
 
-        granted = (False, False)
+        granted = False
         with self._changing(replica_id):
-            self._count(replica_id, prefix_blocks + own)
+            self._count(replica_id, new + own)
             try:
                 granted = await acquire(both(), undo)
             finally:
-                self._count(
-                    replica_id, -(prefix_blocks * (not granted[0]) + own * (not granted[1]))
-                )
+                if not granted:
+                    self._count(replica_id, -(new + own))
         return granted
+
+    async def _undo_growth(self, share: ReplicaShare, before: int) -> None:
+        """The shared lease back at `before` blocks: released if that is none."""
+        if before:
+            await self._set_shared(share, before)
+        else:
+            await self.release_lease(ledger_key(share.replica_id), share.lease_id)
 
     async def reconcile(self, replica_ids: Callable[[], Collection[str]]) -> None:
         """Read every replica's ledger back from the store each RECONCILE_INTERVAL_S, then
@@ -265,6 +271,7 @@ class Ledger:
     def forget(self, keep: set[str]) -> None:
         """Drop the figures of replicas no longer in the fleet (but not the count of changes
         still on their way to the store)."""
+        self.prefixes.forget(keep)
         settled = {r for r, n in self._unsettled.items() if n == 0}
         for figures in (self.reserved, self.exact):
             for replica_id in [r for r in figures if r not in keep]:

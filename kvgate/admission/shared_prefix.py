@@ -1,73 +1,124 @@
-"""Shared prefixes on the block ledger: the blocks of a common prompt prefix are reserved once
-per replica, not once per request.
+"""Shared prefixes on the block ledger: a block of prompt that several live requests on a
+replica begin with is reserved once there, not once per request.
 
-vLLM's prefix cache stores a prefix's full blocks once and every running request that starts
-with the same tokens uses them. Charging each request the whole prompt would make kvgate admit
-far fewer requests than fit (a 400-token system prompt shared by 30 chats is 25 blocks, not
-750). So the first request with a given prefix on a replica reserves the prefix's blocks as a
-lease of their own, later requests reserve only the rest, and the prefix lease is released
-when the last request using it ends. Only a prefix whose lease is already granted gives
-credit; while it is being acquired, others reserve in full. The credit is conservative: full
-blocks only, minus one for chat-template differences at the boundary.
+vLLM's prefix cache stores a full block of prompt once, and every running request whose
+tokens up to the end of that block are the same uses it. Charging each request its whole
+prompt would make kvgate admit far fewer requests than fit: a 400-token system prompt shared
+by 30 chats is 25 blocks, not 750, and a 1,500-token document asked about by 13 users is 94
+blocks, not 1,222.
+
+A request names the blocks it can share by their keys (`Demand.shared_keys`): with its exact
+token ids, every full block but the one holding the prompt's last token, each keyed by its
+tokens chained from its parent's (`kvgate.fleet.block_index`), so two prompts share exactly
+the blocks vLLM would let them share; without them, the estimated full blocks of its first
+message, less one for the chat template's boundary. The keys a replica's live requests use
+are counted per replica (`SharedBlocks`): a request there is credited with its leading keys
+already counted and reserves the rest, its new keys counted from then on; its keys stop
+counting with their last user. The counted blocks are one lease per replica, whose amount
+follows their number. A block in use cannot be evicted, so the credit holds for its
+requests' lifetime; a block vLLM still caches but no request uses is free in vLLM's own
+books, and the next request to use it is charged for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass(eq=False, slots=True)
-class SharedPrefix:
-    replica_id: str
-    key: str
-    blocks: int
-    lease_id: str = field(default_factory=lambda: f"prefix-{os.urandom(12).hex()}")
-    refs: int = 0
-    live: bool = False  # its lease has been granted
-
-
 def credit_blocks(prefix_tokens: int, block_size: int) -> int:
-    """Blocks of a prefix that are certainly shared: the full ones, less one for the template."""
+    """Blocks of an estimated first message that are certainly shared: the full ones, less
+    one for the template."""
     return max(0, prefix_tokens // block_size - 1)
 
 
-class SharedPrefixes:
-    """This instance's shared-prefix leases, by (replica, prefix key), with the live blocks
-    per replica kept as they change (every fleet snapshot reads them for every replica: a
-    scan of all entries per replica would grow with replicas × prefixes)."""
+def exact_shared_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Full blocks of an exactly known prompt that another request with the same tokens can
+    share: all but the one holding its last token, which vLLM computes again (a prompt is
+    never taken from the cache whole)."""
+    return max(0, prompt_tokens - 1) // block_size
+
+
+@dataclass(eq=False, slots=True)
+class ReplicaShare:
+    """The shared blocks of one replica's live requests: how many use each key, the lease that
+    holds them (`held` blocks granted in the store), and the lock its changes go through, one
+    at a time, so that the lease's amount in the store follows the count in order."""
+
+    replica_id: str
+    lease_id: str = field(default_factory=lambda: f"shared-{os.urandom(12).hex()}")
+    refs: Counter[Hashable] = field(default_factory=Counter)
+    held: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def credit(self, keys: Sequence[Hashable]) -> int:
+        """How many of `keys`' leading blocks are counted here already. (The counted keys
+        are closed under prefixes: a request counts all its leading keys, and a key stands
+        for every token before it.)"""
+        count, refs = 0, self.refs
+        for key in keys:
+            if key not in refs:
+                break
+            count += 1
+        return count
+
+    def add(self, keys: Sequence[Hashable]) -> None:
+        self.refs.update(keys)
+        self.held = len(self.refs)
+
+    def remove(self, keys: Sequence[Hashable]) -> int:
+        """The request's keys stop counting; how many blocks no request uses any more."""
+        refs = self.refs
+        for key in keys:
+            left = refs[key] - 1
+            if left > 0:
+                refs[key] = left
+            else:
+                del refs[key]
+        dropped = self.held - len(refs)
+        self.held = len(refs)
+        return dropped
+
+
+@dataclass(eq=False, slots=True)
+class SharedUse:
+    """One request's use of a replica's shared blocks: the keys it counts there."""
+
+    share: ReplicaShare
+    keys: Sequence[Hashable]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.keys)
+
+
+class SharedBlocks:
+    """This instance's shared blocks, per replica."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, str], SharedPrefix] = {}
-        self._held: dict[str, int] = {}  # replica id -> blocks of its live entries
+        self._replicas: dict[str, ReplicaShare] = {}
 
-    def get(self, replica_id: str, key: str) -> SharedPrefix | None:
-        return self._entries.get((replica_id, key))
+    def of(self, replica_id: str) -> ReplicaShare:
+        share = self._replicas.get(replica_id)
+        if share is None:
+            share = self._replicas[replica_id] = ReplicaShare(replica_id)
+        return share
 
-    def open(self, replica_id: str, key: str, blocks: int) -> SharedPrefix:
-        entry = SharedPrefix(replica_id, key, blocks, refs=1)
-        self._entries[(replica_id, key)] = entry
-        return entry
-
-    def granted(self, entry: SharedPrefix) -> None:
-        """The entry's lease was granted: its blocks count as held (and give credit)."""
-        if not entry.live and self._entries.get((entry.replica_id, entry.key)) is entry:
-            entry.live = True
-            self._held[entry.replica_id] = self._held.get(entry.replica_id, 0) + entry.blocks
-
-    def drop(self, entry: SharedPrefix) -> None:
-        if self._entries.get((entry.replica_id, entry.key)) is not entry:
-            return
-        del self._entries[(entry.replica_id, entry.key)]
-        if entry.live:
-            held = self._held.get(entry.replica_id, 0) - entry.blocks
-            if held > 0:
-                self._held[entry.replica_id] = held
-            else:
-                self._held.pop(entry.replica_id, None)
+    def forget(self, keep: set[str]) -> None:
+        """Drop the entries of replicas no longer in the fleet that nothing uses. (A request
+        keeps its entry through its `SharedUse`, whatever happens to the table.)"""
+        for replica_id in [r for r in self._replicas if r not in keep]:
+            share = self._replicas[replica_id]
+            if not share.refs and not share.lock.locked():
+                del self._replicas[replica_id]
 
     def held_blocks(self, replica_id: str) -> int:
-        return self._held.get(replica_id, 0)
+        share = self._replicas.get(replica_id)
+        return 0 if share is None else share.held
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Replicas where some request uses shared blocks."""
+        return sum(1 for share in self._replicas.values() if share.refs)

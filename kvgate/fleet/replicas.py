@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.config import ReplicaConfig, secret
@@ -23,12 +23,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Writing:
     """One in-flight request on a replica, as the written view counts it: `progress()` tokens
-    written so far (prompt + output), of which the first `prefix_tokens` are a prefix
-    (`prefix_key`) that vLLM's cache stores once however many requests share it."""
+    written so far (prompt + output), of which the blocks keyed `shared` (its leading full
+    blocks, as `kvgate.admission.demand.Demand.shared_keys` names them) are stored once by
+    vLLM's prefix cache however many requests use them."""
 
     progress: Callable[[], int]
-    prefix_key: str | None = None
-    prefix_tokens: int = 0
+    shared: Sequence[Hashable] = ()
 
 
 @dataclass(slots=True)
@@ -100,18 +100,17 @@ class Replica:
         return model in self.models
 
     def written_blocks(self) -> int:
-        """Blocks this instance's in-flight requests hold here: each its own, and the full
-        blocks of a shared prefix once, as vLLM's prefix cache stores them."""
+        """Blocks this instance's in-flight requests hold here: each its own, and the shared
+        blocks it has written once, however many requests use them."""
         size = self.kv_block_size
         total = 0
-        shared: dict[str, int] = {}
+        shared: set[Hashable] = set()
         for writing in self.inflight.values():
             tokens = writing.progress()
-            prefix = min(writing.prefix_tokens, tokens) // size if writing.prefix_key else 0
-            total += math.ceil(tokens / size) - prefix
-            if prefix and writing.prefix_key is not None:
-                shared[writing.prefix_key] = max(shared.get(writing.prefix_key, 0), prefix)
-        return total + sum(shared.values())
+            written = min(len(writing.shared), tokens // size)
+            total += math.ceil(tokens / size) - written
+            shared.update(writing.shared[:written])
+        return total + len(shared)
 
 
 class Registry:

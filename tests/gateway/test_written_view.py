@@ -91,12 +91,14 @@ def test_a_shared_prefix_counts_its_full_blocks_once_and_the_rest_per_request():
     from kvgate.fleet.replicas import Replica, Writing
 
     replica = Replica(ReplicaConfig(url="http://r", block_size=16), pool="default")
+    sys = [("sys", 0), ("sys", 1)]
     replica.inflight = {
-        "a": Writing(lambda: 100, "sys", 40),  # 2 full prefix blocks + 5 of its own
-        "b": Writing(lambda: 70, "sys", 40),  # the same 2 + 3 of its own
-        "c": Writing(lambda: 33),  # no prefix: 3
+        "a": Writing(lambda: 100, sys),  # 2 shared blocks + 5 of its own
+        "b": Writing(lambda: 70, sys),  # the same 2 + 3 of its own
+        "c": Writing(lambda: 33),  # none shared: 3
+        "d": Writing(lambda: 20, [*sys, ("sys", 2)]),  # has written 1 of its shared blocks
     }
-    assert replica.written_blocks() == 2 + 5 + 3 + 3
+    assert replica.written_blocks() == 2 + 5 + 3 + 3 + 1
 
 
 def test_the_decode_clock_integrates_the_per_sequence_rate_and_survives_a_restart():
