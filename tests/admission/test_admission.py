@@ -25,7 +25,7 @@ from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
 from kvgate.metrics import Metrics
-from kvgate.state.base import StateStoreError
+from kvgate.state.base import StateStore, StateStoreError
 from kvgate.state.memory import MemoryStore
 from tests.plugins.waiting import eventually
 from tests.routing.fleets import in_order
@@ -59,7 +59,7 @@ def whole(admission: AdmissionConfig | None = None) -> Config:
 
 
 class Harness:
-    def __init__(self, config: AdmissionConfig, store: MemoryStore | None = None) -> None:
+    def __init__(self, config: AdmissionConfig, store: StateStore | None = None) -> None:
         self.store = store or MemoryStore()
         self.config = config
         current = whole(config)
