@@ -91,6 +91,8 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
             cpu_after = _cpu(children)
         except ChildFailed as exc:
             return {**record, "error": str(exc)}
+        except aiohttp.ClientError as exc:  # a replica or the contender went away mid-run
+            return {**record, "error": f"{exc}\n{children.exited()}".strip()}
         finally:
             if running is not None and running.redis_prefix is not None:
                 with contextlib.suppress(Exception):  # a cleanup failure must not hide a result

@@ -71,6 +71,13 @@ class Children:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
+    def exited(self) -> str:
+        """Every process that has exited, with its code and its log's tail ('' if none)."""
+        return "\n".join(
+            f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}"
+            for name, proc in self.procs.items() if proc.poll() is not None
+        )
+
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}
 
