@@ -318,3 +318,44 @@ async def test_requests_refused_for_room_count_as_demand_so_overcommit_grows_int
         grown = g.admission.overcommit.factor(r.id)
         scraped()  # the refusal is counted once: no request wanted room since
         assert g.admission.overcommit.factor(r.id) == grown
+
+
+async def test_a_sheddable_request_is_not_passed_for_ever_by_a_stream_of_standard_ones():
+    """No targets set: a standard tenant keeps three requests queued at every moment on a
+    replica that runs three at once, and a sheddable request waits among them. Strict class
+    order served every freed slot to the next standard request, so the sheddable one waited
+    out max_wait_s (or was refused at once, its estimate infinite behind the better class's
+    claims). Once it has aged (half of max_wait_s) it goes before the standard requests that
+    have not, and its barrier keeps the replica's room for it."""
+    from tests.admission.test_admission import Harness
+
+    h = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_depth=64, max_wait_s=2)))
+    dispatcher = asyncio.create_task(h.admission.dispatch("p"))
+    r = replica("a", blocks=96)  # three of 32 blocks at once
+    standard = Demand("p", "m", 16 * 32, "std", "standard")
+
+    async def one_standard() -> None:
+        with contextlib.suppress(RateLimited):
+            async with admit(h, standard, r):
+                await asyncio.sleep(0.05)
+
+    stream: list[asyncio.Task[None]] = []
+    running = True
+
+    async def keep_three_queued() -> None:
+        while running:
+            if h.admission.pool("p").queue.depth("standard") < 3:
+                stream.append(asyncio.create_task(one_standard()))
+            await asyncio.sleep(0.005)
+
+    feeder = asyncio.create_task(keep_three_queued())
+    try:
+        await asyncio.sleep(0.3)  # requests have ended: the pool knows how long they hold
+        async with admit(h, Demand("p", "m", 16 * 32, "batch", "sheddable"), r) as slot:
+            assert slot.queued
+    finally:
+        running = False
+        await feeder
+        await asyncio.gather(*stream)
+        dispatcher.cancel()
+    assert await h.held(r) == 0
