@@ -297,7 +297,7 @@ class Admission:
         now = self.clock()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
-        for ticket in pass_order(pool.queue, now):
+        for ticket in pool.in_pass_order(now):
             waiter: Waiter = ticket.payload
             demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():
@@ -406,21 +406,3 @@ class Admission:
         for priority in ("critical", "standard", "sheddable"):
             self.metrics.queue_depth.labels(pool_name, priority).set(pool.queue.depth(priority))
 
-
-def pass_order(queue: Iterable[Ticket], now: float) -> list[Ticket]:
-    """The order of a serving pass: the critical class first; then every request of a lower
-    class that has aged (`Waiter.aged`), oldest class first, as the queue orders them; then the
-    rest. A lower class's request is therefore never passed for ever by a better class's
-    stream of newcomers: once aged it goes before them, and its barrier holds the replicas it
-    could use for it. The critical class is never held up by it."""
-    first: list[Ticket] = []
-    aged: list[Ticket] = []
-    rest: list[Ticket] = []
-    for ticket in queue:
-        if ticket.rank == 0:
-            first.append(ticket)
-        elif ticket.payload.aged(ticket.enqueued_at, now):
-            aged.append(ticket)
-        else:
-            rest.append(ticket)
-    return first + aged + rest if aged else first + rest

@@ -200,6 +200,24 @@ class PoolQueue:
         """The 95th percentile of recent requests' sizes, per basis."""
         return TypicalSizes(self.predicted_sizes.p95(), self.worst_sizes.p95())
 
+    def in_pass_order(self, now: float) -> list[Ticket]:
+        """The queue in the order a serving pass tries it: the critical class first; then
+        every request of a lower class that has aged (`Waiter.aged`), as the queue orders
+        them; then the rest. A lower class's request is therefore never passed for ever by a
+        better class's stream of newcomers: once aged it goes before them, and its barrier
+        holds the replicas it could use for it. The critical class is never held up by it."""
+        first: list[Ticket] = []
+        aged: list[Ticket] = []
+        rest: list[Ticket] = []
+        for ticket in self.queue:
+            if ticket.rank == 0:
+                first.append(ticket)
+            elif ticket.payload.aged(ticket.enqueued_at, now):
+                aged.append(ticket)
+            else:
+                rest.append(ticket)
+        return first + aged + rest if aged else first + rest
+
     def ahead_of(
         self,
         demand: Demand,
@@ -219,7 +237,7 @@ class PoolQueue:
         ids = {r.id for r in candidates}
         own = min((demand.blocks_on(r) for r in candidates), default=0)
         ahead = []
-        for queued in self.queue:
+        for queued in self.in_pass_order(now):  # as the next pass will try them
             if queued is upto:
                 break
             waiter: Waiter = queued.payload

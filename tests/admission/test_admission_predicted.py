@@ -417,6 +417,31 @@ async def test_a_lower_class_request_expects_to_wait_until_it_ages_not_for_ever(
         await asyncio.gather(shed, return_exceptions=True)
 
 
+async def test_an_aged_lower_class_request_counts_in_a_better_class_requests_expected_wait():
+    """A sheddable request has waited 16 s of its 30 s max_wait_s: aged, the next pass serves it
+    before standard requests that have not aged. A standard request arriving now with a 6 s
+    target is short 40 blocks of its own and 50 for the sheddable one: about 9 s, refused at
+    arrival. Counted in the queue's class order the sheddable one was left out, the estimate
+    was 4 s, and the request was let in to start late."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        max_wait_s=30, ttft_target_s={"standard": 6})), clock)
+    long_holds(g, seconds=9.0)
+    r = replica("a", blocks=100)
+    async with dispatching(g), admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+        shed = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "batch", "sheddable"), r))
+        await asyncio.sleep(0.05)
+        await elapse(g, clock, 16)
+        assert not shed.done()
+        with pytest.raises(RateLimited) as refused:
+            async with asyncio.timeout(2):
+                await enter(g, Demand("p", "m", 16 * 50, "u", "standard"), r)
+        assert refused.value.code == "wait_budget_exceeded"
+        assert 8 <= refused.value.retry_after_s <= 10
+        shed.cancel()
+        await asyncio.gather(shed, return_exceptions=True)
+
+
 async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
     """Aged at half its 0.4 s target, a large request holds its replica for itself while it can
     still make the target; once past it, it waits as one without a target would (aging again
