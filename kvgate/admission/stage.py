@@ -139,7 +139,7 @@ class Admission:
         # replicas that requests queued ahead of this one are waiting for are theirs first;
         # any other may take it now (no head-of-line blocking across replicas)
         waited_for = frozenset(
-            replica.id for ahead in pool.ahead_of(demand, candidates, now=self.clock())
+            replica.id for ahead in pool.ahead_of(demand, candidates)
             for replica in ahead.payload.candidates
         )
         slot = await self._try_place(
@@ -297,7 +297,7 @@ class Admission:
         now = self.clock()
         barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
         refused: dict[tuple[frozenset[str], bool], int] = {}
-        for ticket in pool.in_pass_order(now):
+        for ticket in list(pool.queue):
             waiter: Waiter = ticket.payload
             demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():

@@ -78,12 +78,6 @@ class Waiter:
             return True
         return waited > AGING_SHARE * self.config.queue.max_wait_s
 
-    def ages_after(self) -> float:
-        """How long after it queued it ages (`aged`): AGING_SHARE of its target, or of
-        max_wait_s without one."""
-        target = self.target_s if self.target_s is not None else self.config.queue.max_wait_s
-        return AGING_SHARE * target
-
     @property
     def candidates(self) -> list[Replica]:
         """The replicas it may take now: those its latest ranking lets it use after the time
@@ -161,11 +155,10 @@ class PoolQueue:
         """A request of class `priority` was placed, with `blocks` reserved."""
         self.placed.append((now, PRIORITY_CLASSES.index(priority), blocks))
 
-    def claimed_per_s(self, priority: str, now: float, aged: bool = False) -> float:
+    def claimed_per_s(self, priority: str, now: float) -> float:
         """Blocks a second that requests of a better class than `priority` have been placed
-        with lately: room they will take as it frees, before a request of this class. Once
-        it has `aged`, only the critical class's still go first."""
-        rank = 1 if aged else PRIORITY_CLASSES.index(priority)
+        with lately: room they will take as it frees, before a request of this class."""
+        rank = PRIORITY_CLASSES.index(priority)
         claimed = sum(b for t, r, b in self.placed if r < rank and now - t <= CLAIMED_WINDOW_S)
         return claimed / CLAIMED_WINDOW_S
 
@@ -200,24 +193,6 @@ class PoolQueue:
         """The 95th percentile of recent requests' sizes, per basis."""
         return TypicalSizes(self.predicted_sizes.p95(), self.worst_sizes.p95())
 
-    def in_pass_order(self, now: float) -> list[Ticket]:
-        """The queue in the order a serving pass tries it: the critical class first; then
-        every request of a lower class that has aged (`Waiter.aged`), as the queue orders
-        them; then the rest. A lower class's request is therefore never passed for ever by a
-        better class's stream of newcomers: once aged it goes before them, and its barrier
-        holds the replicas it could use for it. The critical class is never held up by it."""
-        first: list[Ticket] = []
-        aged: list[Ticket] = []
-        rest: list[Ticket] = []
-        for ticket in self.queue:
-            if ticket.rank == 0:
-                first.append(ticket)
-            elif ticket.payload.aged(ticket.enqueued_at, now):
-                aged.append(ticket)
-            else:
-                rest.append(ticket)
-        return first + aged + rest if aged else first + rest
-
     def ahead_of(
         self,
         demand: Demand,
@@ -227,8 +202,7 @@ class PoolQueue:
         now: float = 0.0,
     ) -> list[Ticket]:
         """The queued requests, ahead in service order (up to `upto`), that want one of these
-        replicas and will start before this demand: every one of a better class, and below
-        critical every one of a lower class that has aged (`Waiter.aged`); of its own
+        replicas and will start before this demand: every one of a better class; of its own
         class, with `room` given, all but those it can pass — a larger one that does not fit
         in `room` and has not aged (one no larger gets the room first, as it frees)."""
         if not len(self.queue):  # the usual case: nobody waits
@@ -237,15 +211,13 @@ class PoolQueue:
         ids = {r.id for r in candidates}
         own = min((demand.blocks_on(r) for r in candidates), default=0)
         ahead = []
-        for queued in self.in_pass_order(now):  # as the next pass will try them
+        for queued in self.queue:
             if queued is upto:
                 break
             waiter: Waiter = queued.payload
             queued_demand, queued_candidates = waiter.demand, waiter.candidates
-            if waiter.future.done():
+            if waiter.future.done() or queued.rank > rank:
                 continue
-            if queued.rank > rank and (rank == 0 or not waiter.aged(queued.enqueued_at, now)):
-                continue  # a lower class's request, unless it has aged (critical's excepted)
             if not any(r.id in ids for r in queued_candidates):
                 continue
             if queued.rank == rank and room is not None:
@@ -285,19 +257,11 @@ class PoolQueue:
             for queued in self.ahead_of(demand, candidates, ticket, sum(room), now)
         )
         total = sum(reserved)
-
-        def hold_left(aged: bool) -> float | None:
-            """How long a block is held, as this request sees it: stretched by the share of
-            the freeing rate (total / hold) the better classes take first."""
-            hold = self.hold_s()
-            if hold is None or not total:
-                return hold
-            left = 1 - self.claimed_per_s(demand.priority, now, aged) * hold / total
-            return hold / left if left > 0 else math.inf
-
-        # once it has aged, only the critical class's newcomers still pass it
-        hold, aged_hold = hold_left(False), hold_left(True)
-        ages_in = max(0.0, waiter.ages_after() - (now - ticket.enqueued_at))
+        hold = self.hold_s()
+        if hold is not None and total:
+            # the share of the freeing rate (total / hold) left after the better classes
+            left = 1 - self.claimed_per_s(demand.priority, now) * hold / total
+            hold = hold / left if left > 0 else math.inf
         waits = []
         for (view, _), held, free in zip(options, reserved, room, strict=True):
             share = ahead * held / total if total else ahead / len(options)
@@ -305,10 +269,6 @@ class PoolQueue:
             backlog = (view.waiting or 0) - config.max_replica_waiting
             if short <= 0 and backlog <= 0:
                 return 0.0
-            if hold is not None and aged_hold is not None:
-                running = view.running or 0
-                waits.append(min(
-                    time_to_room(short, held, backlog, running, hold),
-                    ages_in + time_to_room(short, held, backlog, running, aged_hold),
-                ))
+            if hold is not None:
+                waits.append(time_to_room(short, held, backlog, view.running or 0, hold))
         return min(waits) if waits else None

@@ -392,56 +392,6 @@ async def test_the_room_a_better_class_keeps_taking_is_not_counted_as_freeing_fo
         await asyncio.gather(vip, return_exceptions=True)
 
 
-async def test_a_lower_class_request_expects_to_wait_until_it_ages_not_for_ever():
-    """No targets. The standard class has lately taken all the room the replica frees (10
-    blocks a second), so a sheddable request behind it would never start by strict class
-    order: its estimate was infinite, and it was refused at arrival as over max_wait_s. Once
-    it has aged (half of max_wait_s, 15 s) standard newcomers no longer pass it: it expects
-    about 15 + 4 s, and is let in to wait. A standard request behind the critical class's
-    claims expects as before: the critical class still passes an aged request."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=30)))
-    long_holds(g, seconds=9.0)
-    pool = g.admission.pool("p")
-    for _ in range(10):  # 100 blocks over the last 10 s: the whole freeing rate
-        pool.took("standard", 10, time.monotonic())
-    r = replica("a", blocks=100)
-    async with dispatching(g), admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
-        shed = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "batch", "sheddable"), r))
-        await asyncio.sleep(0.1)
-        assert not shed.done()  # let in: it waits for its room
-        (ticket,) = list(pool.queue)
-        expected = pool.expected_wait(ticket, ticket.payload.config, g.admission.reserved,
-                                      time.monotonic())
-        assert expected is not None and 18 <= expected <= 20
-        shed.cancel()
-        await asyncio.gather(shed, return_exceptions=True)
-
-
-async def test_an_aged_lower_class_request_counts_in_a_better_class_requests_expected_wait():
-    """A sheddable request has waited 16 s of its 30 s max_wait_s: aged, the next pass serves it
-    before standard requests that have not aged. A standard request arriving now with a 6 s
-    target is short 40 blocks of its own and 50 for the sheddable one: about 9 s, refused at
-    arrival. Counted in the queue's class order the sheddable one was left out, the estimate
-    was 4 s, and the request was let in to start late."""
-    clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
-        max_wait_s=30, ttft_target_s={"standard": 6})), clock)
-    long_holds(g, seconds=9.0)
-    r = replica("a", blocks=100)
-    async with dispatching(g), admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
-        shed = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "batch", "sheddable"), r))
-        await asyncio.sleep(0.05)
-        await elapse(g, clock, 16)
-        assert not shed.done()
-        with pytest.raises(RateLimited) as refused:
-            async with asyncio.timeout(2):
-                await enter(g, Demand("p", "m", 16 * 50, "u", "standard"), r)
-        assert refused.value.code == "wait_budget_exceeded"
-        assert 8 <= refused.value.retry_after_s <= 10
-        shed.cancel()
-        await asyncio.gather(shed, return_exceptions=True)
-
-
 async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
     """Aged at half its 0.4 s target, a large request holds its replica for itself while it can
     still make the target; once past it, it waits as one without a target would (aging again
