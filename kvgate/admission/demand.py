@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvgate.admission.shared_prefix import SharedUse, credit_blocks, exact_shared_blocks
-from kvgate.fleet.block_index import LazyKeys
+from kvgate.fleet.block_index import block_keys
 from kvgate.fleet.replicas import Replica
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Demand:
     # the prompt's token ids, where kvgate knows them exactly (one prompt, one sequence): its
     # blocks are then shared by their content, not by the first message's estimate
     token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
-    _keys: dict[int, list[Hashable]] = field(default_factory=dict, compare=False, repr=False)
+    _keys: dict[int, Sequence[Hashable]] = field(default_factory=dict, compare=False, repr=False)
     # The longest the request may hold its reservation (its total timeout): a lease held
     # longer was leaked, and the keeper drops it.
     max_hold_s: float | None = None
@@ -85,7 +85,7 @@ class Demand:
         if keys is None:
             if self.token_ids is not None:
                 blocks = exact_shared_blocks(len(self.token_ids), block_size)
-                keys = list(LazyKeys(self.token_ids, block_size).first(blocks))
+                keys = block_keys(self.token_ids[: blocks * block_size], block_size)
             elif self.prefix_key is not None:
                 keys = [(self.prefix_key, i) for i in range(credit_blocks(self.prefix_tokens, block_size))]
             else:

@@ -86,9 +86,8 @@ class Ledger:
             shared = await self._share(replica.id, keys, lease_id, blocks - len(keys), limit, ttl)
             if shared is None:
                 return None
-        else:
-            if not await self._acquire(replica.id, lease_id, blocks, limit, ttl):
-                return None
+        elif not await self._acquire(replica.id, lease_id, blocks, limit, ttl):
+            return None
         own = blocks - len(keys)
         worst_own = demand.worst_blocks_on(replica) - len(keys)
         slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
@@ -152,7 +151,7 @@ class Ledger:
             )
         except (StateStoreError, KvgateError) as exc:
             # it stays at its larger amount until the next change sets it, or expires by TTL
-            log.warning("could not shrink the shared blocks on %s: %s", share.replica_id, exc)
+            log.warning("could not set the shared blocks on %s: %s", share.replica_id, exc)
 
     def _count(self, replica_id: str, blocks: int) -> None:
         self.reserved[replica_id] = max(0, self.reserved.get(replica_id, 0) + blocks)

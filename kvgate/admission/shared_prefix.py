@@ -45,14 +45,18 @@ def exact_shared_blocks(prompt_tokens: int, block_size: int) -> int:
 @dataclass(eq=False, slots=True)
 class ReplicaShare:
     """The shared blocks of one replica's live requests: how many use each key, the lease that
-    holds them (`held` blocks granted in the store), and the lock its changes go through, one
-    at a time, so that the lease's amount in the store follows the count in order."""
+    holds them (one block per key counted), and the lock its changes go through, one at a
+    time, so that the lease's amount in the store follows the count in order."""
 
     replica_id: str
     lease_id: str = field(default_factory=lambda: f"shared-{os.urandom(12).hex()}")
     refs: Counter[Hashable] = field(default_factory=Counter)
-    held: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def held(self) -> int:
+        """Blocks counted: one per key some live request uses."""
+        return len(self.refs)
 
     def credit(self, keys: Sequence[Hashable]) -> int:
         """How many of `keys`' leading blocks are counted here already. (The counted keys
@@ -67,20 +71,17 @@ class ReplicaShare:
 
     def add(self, keys: Sequence[Hashable]) -> None:
         self.refs.update(keys)
-        self.held = len(self.refs)
 
     def remove(self, keys: Sequence[Hashable]) -> int:
         """The request's keys stop counting; how many blocks no request uses any more."""
-        refs = self.refs
+        refs, before = self.refs, len(self.refs)
         for key in keys:
             left = refs[key] - 1
             if left > 0:
                 refs[key] = left
             else:
                 del refs[key]
-        dropped = self.held - len(refs)
-        self.held = len(refs)
-        return dropped
+        return before - len(refs)
 
 
 @dataclass(eq=False, slots=True)
