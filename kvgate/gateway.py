@@ -60,7 +60,8 @@ from kvgate.transport.attempts import Attempts
 from kvgate.transport.base import Transport, UpstreamRequest, upstream_headers
 from kvgate.transport.breaker import BreakerTransport
 from kvgate.transport.http import HttpTransport
-from kvgate.transport.relay import Deliver, relay
+from kvgate.transport.plane import Plane, T
+from kvgate.transport.relay import relay
 
 # How long a request's arrival snapshot of the fleet may serve its first ranking.
 FLEET_REUSE_S = 0.002
@@ -103,17 +104,24 @@ class Gateway:
         return old
 
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Proxy mode: kvgate reads the client's request and relays the replica's answer."""
+        assert self.transport is not None
         x = Exchange(self.runtime, request[REQUEST_INFO], endpoint, request.headers)
         server = x.rt.config.server
         x.raw = await read_body(request, server.max_body_bytes, server.client_timeout_s)
-        await self.take_front(x, request.remote)  # parse & validate, identify, normalize, count
+        plane = Plane(self.transport, functools.partial(relay, request))
+        return await self.run(x, request.remote, plane)
+
+    async def run(self, x: Exchange, remote: str | None, plane: Plane[T]) -> T:
+        """The request path, for a body read whole, served through `plane`."""
+        await self.take_front(x, remote)  # parse & validate, identify, normalize, count
         self.size(x)  # what vLLM will count, the pool, the worst case
-        self.plan(x)  # what to reserve, where it prefers to run, what to send
+        self.plan(x, plane.subset)  # what to reserve, where it prefers to run, what to send
         held_at_most = self.held_at_most(x)
         async with self.budgets.charge(x.tenant, x.bound.worst_tokens, held_at_most) as x.charge:
             try:  # admit, forward and relay; again elsewhere where the attempts stage says
-                deliver = functools.partial(relay, request)  # the answer, to this client
-                return await self.attempts.run(x, functools.partial(self.attempt, deliver))
+                attempt = functools.partial(self.attempt, plane)
+                return await self.attempts.run(x, attempt, retries=plane.retries)
             finally:  # settle on every ending, whatever cancellation arrives meanwhile
                 await finish(x.settling if x.settling is not None else self.settle(x))
 
@@ -148,8 +156,9 @@ class Gateway:
         x.bound = bound_worst_case(parsed, prompts, model, x.tenant, served_len)
         x.info.prompt_tokens, x.info.max_tokens = x.bound.prompt_tokens, x.bound.max_tokens
 
-    def plan(self, x: Exchange) -> None:
-        """What to reserve, where the request prefers to run, and the body to send."""
+    def plan(self, x: Exchange, subset: frozenset[str] | None = None) -> None:
+        """What to reserve, where the request prefers to run, and the body to send; only on
+        the replicas (host:port) of `subset` where the data plane names them."""
         config = x.rt.config
         x.demand = self.sizing.demand(
             x.pool, x.parsed, x.tenant, x.bound, x.count, x.terms, config
@@ -160,8 +169,15 @@ class Gateway:
             prefix=x.fingerprint or x.demand.prefix_key,
             holder=x.info.key,  # a half-open replica's trial is claimed by this request
             token_ids=x.count.token_ids,
+            exclude=self.outside(subset),
         )
         x.payload = upstream_payload(x.parsed, x.bound, None if x.edited else x.raw)
+
+    def outside(self, subset: frozenset[str] | None) -> frozenset[str]:
+        """The replicas not in `subset` (addresses host:port): none where it is None."""
+        if subset is None:
+            return frozenset()
+        return frozenset(r.id for r in self.registry if r.address not in subset)
 
     def held_at_most(self, x: Exchange) -> float:
         """How long the tenant's charge may be held: every attempt's wait and run."""
@@ -169,7 +185,7 @@ class Gateway:
         attempts = 1 + config.routing.retry.attempts
         return attempts * (config.admission.queue.max_wait_s + (x.demand.max_hold_s or 0.0))
 
-    async def attempt(self, deliver: Deliver, x: Exchange) -> web.StreamResponse:
+    async def attempt(self, plane: Plane[T], x: Exchange) -> T:
         """One attempt: admit on the best replica with room, forward, relay, and begin the
         settling while the slot is still held (its store calls start now, so the release on
         leaving the block goes in the same round trip)."""
@@ -182,7 +198,7 @@ class Gateway:
             slot, info = x.slot, x.info
             info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
             info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
-            response = await self.forward(deliver, x)
+            response = await self.forward(plane, x)
             if x.ranking is not None:  # the routing plugins hear where it ran, and how
                 await self.router.served(
                     x.route, x.ranking, slot.replica.id, x.rt.config.routing, x.attempt.status
@@ -190,9 +206,9 @@ class Gateway:
             x.settling = begin(self.settle(x))
             return response
 
-    async def forward(self, deliver: Deliver, x: Exchange) -> web.StreamResponse:
-        """Send the attempt to the slot's replica and `deliver` its answer to the client."""
-        assert x.slot is not None and self.transport is not None
+    async def forward(self, plane: Plane[T], x: Exchange) -> T:
+        """Send the attempt to the slot's replica and deliver its answer to the client."""
+        assert x.slot is not None
         replica, attempt = x.slot.replica, x.attempt
         attempt.replica, attempt.decode_start = replica, replica.decode_clock.reading()
         x.slot.progress = written_tokens(x.parsed, x.bound, attempt)
@@ -202,8 +218,8 @@ class Gateway:
         )
         self.kv_events.expect(replica.id, x.route.token_ids, replica.kv_block_size)
         try:
-            x.response = await self.transport.send(self.upstream_request(x))
-            return await deliver(
+            x.response = await plane.transport.send(self.upstream_request(x))
+            return await plane.deliver(
                 x.response, self.client_headers(x), x.parsed.client_wants_usage
             )
         finally:

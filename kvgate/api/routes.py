@@ -52,11 +52,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = await handler(request)
     except asyncio.CancelledError:  # the client went away; everything held was released
         # a client that hangs up once it has [DONE] got its answer: that is not a disconnect
-        _record(gateway, info, "ok" if info.delivered else "disconnected", 499)
+        record(gateway, info, "ok" if info.delivered else "disconnected", 499)
         raise
     except KvgateError as exc:
         outcome = "refused" if exc.status < 500 else "upstream_error"
-        _record(gateway, info, outcome, exc.status, exc.refusal_reason)
+        record(gateway, info, outcome, exc.status, exc.refusal_reason)
         gateway.metrics.refusals.labels(info.pool, info.tenant, exc.refusal_reason).inc()
         return error_response(exc, info.request_id)
     except web.HTTPException as exc:
@@ -67,7 +67,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
-        _record(gateway, info, "upstream_error", error.status, error.refusal_reason)
+        record(gateway, info, "upstream_error", error.status, error.refusal_reason)
         gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
@@ -76,13 +76,15 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             outcome = "client_error"
         if info.disconnected:
             outcome = "disconnected"
-        _record(gateway, info, outcome, response.status)
+        record(gateway, info, outcome, response.status)
     return response
 
 
-def _record(
+def record(
     gateway: Gateway, info: RequestInfo, outcome: str, status: int, reason: str | None = None
 ) -> None:
+    """One API request, counted (and logged, with server.access_log) by how it ended; the one
+    place for it, whichever data plane served the request."""
     duration = time.monotonic() - info.started
     gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
     if outcome in ("ok", "disconnected", "client_error"):

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from yarl import URL
+
 from kvgate.config import ReplicaConfig, secret
 from kvgate.fleet.scrape import DecodeClock, MetricsRead, Scrape
 from kvgate.tools.capacity import DEFAULT_BLOCK_SIZE
@@ -63,6 +65,14 @@ class Replica:
     @property
     def url(self) -> str:
         return self.config.url
+
+    @property
+    def address(self) -> str:
+        """Where it listens, as `host:port` (`[v6]:port`): how Envoy and the Gateway API's
+        endpoint picker protocol name an endpoint."""
+        url = URL(self.config.url)
+        host = f"[{url.host}]" if url.host and ":" in url.host else url.host
+        return f"{host}:{url.port}"
 
     @property
     def api_key(self) -> str | None:

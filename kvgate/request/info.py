@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -39,8 +40,14 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 def new_request_info(request: web.Request) -> RequestInfo:
+    return request_info(request.headers)
+
+
+def request_info(headers: Mapping[str, str]) -> RequestInfo:
+    """A new request's record, with the client's X-Request-Id where it is sane (`headers`:
+    case-insensitive)."""
     key = os.urandom(16).hex()
-    given = request.headers.get("X-Request-Id", "")
+    given = headers.get("X-Request-Id", "")
     # echoed in a response header: visible ASCII only, nothing a header could be split on
     request_id = given if 0 < len(given) <= 128 and _VISIBLE_ASCII.fullmatch(given) else key
     return RequestInfo(request_id=request_id, started=time.monotonic(), key=key)

@@ -8,7 +8,9 @@ the answer (`Gateway.attempt`). Around it:
 - a replica whose vLLM refused it as busy (backpressure, not a failure) takes no more for
   now: the request is placed again, on another replica or from the queue, within what is
   left of its wait budget (`Exchange.since`), as often as that allows;
-- when nowhere else takes it, the replica's failure stands rather than the later refusal.
+- when nowhere else takes it, the replica's failure stands rather than the later refusal;
+- where the data plane sent the request itself (behind Envoy, `retries` False), nothing is
+  tried again: a failure stands, and a busy replica is the client's 429 with `Retry-After`.
 
 Each try appends its `Outcome` to the exchange; the last is what the tenant pays for. At the
 end, a half-open replica's trial the request claimed and never used goes to the next one.
@@ -36,8 +38,11 @@ class Attempts:
         self.breakers = breakers
         self.metrics = metrics
 
-    async def run(self, x: Exchange, attempt: Callable[[Exchange], Awaitable[T]]) -> T:
-        """`attempt(x)` until one returns, or fails in a way no other replica would mend."""
+    async def run(
+        self, x: Exchange, attempt: Callable[[Exchange], Awaitable[T]], *, retries: bool = True
+    ) -> T:
+        """`attempt(x)` until one returns, or fails in a way no other replica would mend; only
+        once where the data plane cannot send a request again (`retries` False)."""
         failed: ServerError | None = None  # the last replica's failure, while it stands
         failures = 0
         retry = x.rt.config.routing.retry
@@ -46,7 +51,12 @@ class Attempts:
                 asked = time.monotonic()
                 try:
                     return await attempt(x)
-                except ReplicaBusy:
+                except ReplicaBusy as exc:
+                    if not retries:  # sent once (behind Envoy): the client hears kvgate's 429
+                        raise RateLimited(
+                            f"{exc.message}; try again shortly", code="replica_busy",
+                            retry_after_s=x.rt.config.admission.busy_backoff_s,
+                        ) from None
                     # the busy replica takes no more for now (Admission.refused_busy): the
                     # request goes elsewhere, or waits for room, on the wait it has left
                     x.since = asked if x.since is None else x.since
@@ -56,7 +66,7 @@ class Attempts:
                         raise failed from None
                     raise
                 except ServerError as exc:
-                    reason = retry_reason(exc, x.attempt, retry)
+                    reason = retry_reason(exc, x.attempt, retry) if retries else None
                     if reason is None or failures >= retry.attempts:
                         raise
                     replica = x.info.replica

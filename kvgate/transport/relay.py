@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -28,8 +29,7 @@ from kvgate.errors import KvgateError, ReplicaBusy, UpstreamError, UpstreamTimeo
 from kvgate.idle import IdleTimeout
 from kvgate.transport.base import Outcome, UpstreamResponse, Usage
 
-# How the request path hands an answer to its client: `relay` bound to the client's request.
-Deliver = Callable[[UpstreamResponse, Mapping[str, str], bool], Awaitable[web.StreamResponse]]
+DONE = b"data: [DONE]\n\n"  # a stream's last event: the client has the whole answer
 
 
 async def relay(
@@ -85,6 +85,22 @@ async def _relay_whole(answer: UpstreamResponse, headers: Mapping[str, str]) -> 
     except aiohttp.ClientError as exc:
         outcome.upstream_failed = True
         raise UpstreamError(f"replica {replica.id} failed mid-response: {exc}") from None
+    error = judge_whole(answer, raw)
+    if error is not None:
+        return web.json_response(
+            error, status=answer.status, headers=headers,
+            dumps=lambda v: orjson.dumps(v).decode(),
+        )
+    return web.Response(
+        body=raw, status=answer.status, headers=headers, content_type="application/json"
+    )
+
+
+def judge_whole(answer: UpstreamResponse, raw: bytes) -> dict[str, Any] | None:
+    """What a whole answer tells, into the attempt's `Outcome`: its usage, or that it failed.
+    Raises `ReplicaBusy` (vLLM's queue limits refused it) or `UpstreamError` (a 5xx, or a
+    success that is not JSON); returns a 4xx's error body in OpenAI's shape, else None."""
+    outcome, replica = answer.request.attempt, answer.request.replica
     status = answer.status
     if status >= 500:
         detail = _openai_error_body(raw, status)["error"]["message"]
@@ -98,10 +114,7 @@ async def _relay_whole(answer: UpstreamResponse, headers: Mapping[str, str]) -> 
             error.status = 503
         raise error
     if status >= 400:
-        return web.json_response(
-            _openai_error_body(raw, status), status=status, headers=headers,
-            dumps=lambda v: orjson.dumps(v).decode(),
-        )
+        return _openai_error_body(raw, status)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -111,7 +124,7 @@ async def _relay_whole(answer: UpstreamResponse, headers: Mapping[str, str]) -> 
     outcome.usage = _usage(usage)
     outcome.first_token_at = time.monotonic()
     outcome.done = True
-    return web.Response(body=raw, status=status, headers=headers, content_type="application/json")
+    return None
 
 
 async def _relay_stream(
@@ -126,7 +139,7 @@ async def _relay_stream(
     await response.prepare(client)
     outcome, replica = answer.request.attempt, answer.request.replica
     idle = answer.request.timeouts.idle_s
-    events = _Events(response, outcome, client_wants_usage)
+    events = Events(functools.partial(_write, response, outcome), outcome, client_wants_usage)
     limit: IdleTimeout | None = None
     try:
         # One idle timeout for the whole stream, both while reading from the replica and
@@ -164,11 +177,12 @@ async def _relay_stream(
 
 
 @dataclass(slots=True)
-class _Events:
+class Events:
     """A stream's SSE events on their way to the client: whole events only, usage noted (and
-    stripped where the client did not ask for it), content chunks counted."""
+    stripped where the client did not ask for it), content chunks counted. `write` hands bytes
+    to the client's side of the data plane (and notes in the outcome when [DONE] went)."""
 
-    response: web.StreamResponse
+    write: Callable[[bytes], Awaitable[None]]
     outcome: Outcome
     client_wants_usage: bool
     buffer: bytes = b""  # the start of an event not yet complete
@@ -192,7 +206,7 @@ class _Events:
             out = self.relayed(complete)
             if out:
                 self.writing = True
-                await _write(self.response, out, self.outcome)
+                await self.write(out)
                 self.writing = False
                 limit.touch()
 
@@ -215,7 +229,7 @@ class _Events:
         if self.buffer.strip():
             out = _filter([self.buffer], self.outcome, self.client_wants_usage)
             if out:
-                await _write(self.response, out, self.outcome)
+                await self.write(out)
 
 
 def _filter(
@@ -261,13 +275,13 @@ def _count_tokens(events: bytes, outcome: Outcome) -> None:
         outcome.streamed_tokens += tokens
 
 
-async def _write(response: web.StreamResponse, data: bytes, outcome: Outcome) -> None:
+async def _write(response: web.StreamResponse, outcome: Outcome, data: bytes) -> None:
     try:
         await response.write(data)
     except ConnectionResetError:
         outcome.client_disconnected = True
         raise
-    if data.endswith(b"data: [DONE]\n\n"):
+    if data.endswith(DONE):
         outcome.done = True
 
 
