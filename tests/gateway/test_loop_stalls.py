@@ -9,6 +9,7 @@ on a busy machine cannot inflate, where a wall-clock bound on the loop's latenes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -73,10 +74,8 @@ async def test_huge_bodies_of_tiny_messages_never_stall_the_loop(
     for _ in range(2):
         before = time.thread_time()
         for body, _ in bodies:
-            try:
+            with contextlib.suppress(KvgateError):
                 parse_body(body, Endpoint.CHAT)
-            except KvgateError:
-                pass
         costs.append(time.thread_time() - before)
     inline = min(costs)
     assert on_loop < MAX_SHARE * inline, (on_loop, inline)
