@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -49,11 +49,15 @@ from kvgate.state.base import StateStore
 from kvgate.tenants import Budgets
 from kvgate.transport.http import HttpTransport
 
+if TYPE_CHECKING:
+    from kvgate.epp.server import EppServer
+
 log = logging.getLogger(__name__)
 
 GAUGE_INTERVAL_S = 1.0
 TASKS = web.AppKey("tasks", list)
 RELOADING = web.AppKey("reloading", asyncio.Lock)  # one reload at a time
+EPP = web.AppKey("epp", object)  # the endpoint picker's gRPC server, where it listens
 
 
 def build_store(config: Config) -> StateStore:
@@ -159,9 +163,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     # before would find no replica serving its model, and be told the model does not exist.
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(discovered.wait(), first_round_within(config.discovery))
+    epp = await _start_epp(app, config)
     try:
         yield
     finally:
+        if epp is not None:
+            await epp.stop(config.server.drain_s)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -169,6 +176,18 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         if gateway.http is not None:
             await gateway.http.close()
         await gateway.store.close()
+
+
+async def _start_epp(app: web.Application, config: Config) -> EppServer | None:
+    """Envoy's endpoint picker, where `server.epp.port` is set (`kvgate.epp`)."""
+    if config.server.epp.port is None:
+        return None
+    from kvgate.epp.server import EppServer  # gRPC and Envoy's protobufs: only when used
+
+    epp = app[EPP] = EppServer(app[GATEWAY], config.server.epp)
+    await epp.start()
+    log.info("kvgate endpoint picker (Envoy ext_proc) listening on %s", epp.address)
+    return epp
 
 
 def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -301,6 +320,7 @@ RESTART_ONLY = (
     "server.host", "server.port", "server.drain_s", "state",
     # the listeners' own limits (the body's read timeout follows a reload; the header's does not)
     "server.max_connections", "server.client_timeout_s", "server.admin.host", "server.admin.port",
+    "server.epp",
 )
 
 

@@ -143,7 +143,7 @@ async def test_restart_only_settings_are_named_in_the_reload_log(running, caplog
     assert "state" in line and "server.host" not in line
     assert set(RESTART_ONLY) == {"server.host", "server.port", "server.drain_s", "state",
                                  "server.max_connections", "server.client_timeout_s",
-                                 "server.admin.host", "server.admin.port"}
+                                 "server.admin.host", "server.admin.port", "server.epp"}
 
 
 # ---------------------------------------------------------------- in flight: its own snapshot

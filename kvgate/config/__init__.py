@@ -33,6 +33,7 @@ from kvgate.config.schema import (
     Config,
     CurrentConfig,
     DnsConfig,
+    EppConfig,
     KvEventsConfig,
     KvEventsEndpoints,
     ModelConfig,
@@ -49,7 +50,7 @@ from kvgate.config.schema import (
 __all__ = [
     "PRIORITY_CLASSES", "AdminConfig", "AdmissionConfig", "AuthConfig", "CalibrationConfig",
     "ChatTemplateConfig", "CircuitConfig", "Config", "ConfigError", "CurrentConfig",
-    "DiscoveryConfig", "DnsConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
+    "DiscoveryConfig", "DnsConfig", "EppConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
     "QueueConfig", "ReplicaConfig", "RetryConfig", "RoutingConfig", "ServerConfig",
     "SessionsConfig", "StateConfig", "TenantConfig", "TimeoutsConfig", "TokenizerConfig",
     "UpstreamConfig", "apply_overrides", "interpolate", "load_config", "masked",

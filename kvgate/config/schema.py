@@ -61,6 +61,15 @@ class AdminConfig(Section):
     port: int | None = Field(None, ge=0, le=65535)
 
 
+class EppConfig(Section):
+    """kvgate as the endpoint picker behind Envoy (the Gateway API Inference Extension's
+    protocol, Envoy's external processing over gRPC): see kvgate.epp and docs/envoy.md."""
+
+    # The gRPC listener Envoy's ext_proc filter calls (null: off; 0: any free port).
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+
+
 class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -81,6 +90,7 @@ class ServerConfig(Section):
     # on every forwarded response, to compare with the usage vLLM reports.
     accounting_headers: bool = True
     admin: AdminConfig = AdminConfig()
+    epp: EppConfig = EppConfig()
 
 
 class TimeoutsConfig(Section):

@@ -1,0 +1,189 @@
+"""One HTTP request's external-processing stream with Envoy: its messages in order, each
+answered once, and the messages kvgate builds.
+
+Envoy's ext_proc filter opens a gRPC stream per HTTP request and sends, as its processing mode
+says, the request headers, the request body, the response headers and the response body's
+chunks; it waits for the answer to each before it goes on. `EnvoyStream` keeps the message
+awaiting its answer (`pending`), so that whatever ends the request path knows whether it can
+still answer with an `ImmediateResponse` (an error in OpenAI's shape) and answers it exactly
+once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+
+import grpc
+import orjson
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from kvgate.errors import KvgateError
+
+log = logging.getLogger(__name__)
+
+# The Gateway API Inference Extension's endpoint picker protocol: the pick, as a header and as
+# dynamic metadata in Envoy's load balancer namespace; the subset the data plane allows.
+DESTINATION = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET = "x-gateway-destination-endpoint-subset"
+SERVED = "x-gateway-destination-endpoint-served"
+# Envoy's response flags (%RESPONSE_FLAGS%) for the answer, added by kvgate's Envoy config:
+# UF (connection failure), UH (no healthy host), URX (retries exhausted), UT (timeout).
+FLAGS = "x-kvgate-envoy-flags"
+# Headers only the data plane or the picker may set: never taken from the client.
+SYSTEM_OWNED = (DESTINATION, SUBSET, SERVED, "x-gateway-destination-endpoint-fallback")
+
+
+class EnvoyStream:
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        self.pending: ProcessingRequest | None = None  # the message awaiting its answer
+
+    async def next(self) -> ProcessingRequest | None:
+        """Envoy's next message (the one before it answered); None once Envoy closed its side."""
+        assert self.pending is None, "answer a message before reading the next"
+        message = await self.context.read()
+        if message is grpc.aio.EOF:
+            return None
+        assert isinstance(message, ProcessingRequest)
+        self.pending = message
+        return message
+
+    async def answer(self, response: ProcessingResponse) -> None:
+        """Answer the pending message."""
+        assert self.pending is not None, "no message awaits an answer"
+        self.pending = None
+        await self.context.write(response)
+
+    async def answer_if_pending(self, response: ProcessingResponse) -> None:
+        """Answer the pending message, if any, unless the stream is over (Envoy reset it)."""
+        if self.pending is None or self.context.done():
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError):
+            await self.answer(response)
+
+    async def pass_through(self) -> None:
+        """Answer everything Envoy still sends with "go on, unchanged", until it closes."""
+        while (message := await self.next()) is not None:
+            await self.answer(unchanged(message))
+
+
+def headers_of(headers: HeaderMap) -> dict[str, str]:
+    """Envoy's header map as a dict of lower-case names (Envoy sends them lower-case; a name
+    that repeats keeps its last value, as a client's duplicated header would in aiohttp)."""
+    out: dict[str, str] = {}
+    for header in headers.headers:
+        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def unchanged(message: ProcessingRequest) -> ProcessingResponse:
+    """The answer that lets `message` go on as it is."""
+    phase = message.WhichOneof("request")
+    if phase in ("request_headers", "response_headers"):
+        return ProcessingResponse(**{phase: HeadersResponse()})
+    if phase in ("request_body", "response_body"):
+        return ProcessingResponse(**{phase: BodyResponse()})
+    return ProcessingResponse(**{phase: TrailersResponse()})
+
+
+def header_options(headers: Mapping[str, str]) -> list[HeaderValueOption]:
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=name.lower(), raw_value=value.encode("latin-1")),
+            append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for name, value in headers.items()
+    ]
+
+
+def headers_reply(
+    phase: str, set_headers: Mapping[str, str], remove: Iterable[str] = (),
+    *, buffer_body: bool = False,
+) -> ProcessingResponse:
+    """Go on with these header changes; `buffer_body`: send the rest of the body whole
+    (Envoy's `allow_mode_override`), so that kvgate reads it before the client does."""
+    mutation = HeaderMutation(set_headers=header_options(set_headers), remove_headers=remove)
+    response = ProcessingResponse(**{
+        phase: HeadersResponse(response=CommonResponse(header_mutation=mutation)),
+    })
+    if buffer_body:
+        response.mode_override.CopyFrom(ProcessingMode(response_body_mode=ProcessingMode.BUFFERED))
+    return response
+
+
+def body_reply(
+    phase: str, body: bytes | None = None, set_headers: Mapping[str, str] | None = None,
+    remove: Iterable[str] = (), metadata: Mapping[str, Mapping[str, str]] | None = None,
+) -> ProcessingResponse:
+    """Go on with this body chunk replaced by `body` (None: unchanged), these header changes
+    (a request body's answer may still change the request's headers), and this dynamic
+    metadata (namespace -> key -> value)."""
+    common = CommonResponse()
+    if set_headers or remove:
+        common.header_mutation.CopyFrom(HeaderMutation(
+            set_headers=header_options(set_headers or {}), remove_headers=remove,
+        ))
+    if body is not None:
+        common.body_mutation.CopyFrom(
+            BodyMutation(body=body) if body else BodyMutation(clear_body=True)
+        )
+    response = ProcessingResponse(**{phase: BodyResponse(response=common)})
+    if metadata:
+        struct = Struct()
+        for namespace, values in metadata.items():
+            struct.fields[namespace].struct_value.update(dict(values))
+        response.dynamic_metadata.CopyFrom(struct)
+    return response
+
+
+def immediate(error: KvgateError, request_id: str) -> ProcessingResponse:
+    """Envoy answers the client with `error` in OpenAI's shape, and sends nothing on."""
+    headers = {**error.headers, "content-type": "application/json", "x-request-id": request_id}
+    headers.pop("Connection", None)  # Envoy owns the client's connection
+    return ProcessingResponse(immediate_response=ImmediateResponse(
+        status=HttpStatus(code=error.status),
+        headers=HeaderMutation(set_headers=header_options(headers)),
+        body=orjson.dumps(error.body()),
+        details=f"kvgate_{error.refusal_reason}",
+    ))
+
+
+def subset_of(message: ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints (host:port) the data plane allows for this request, if it says."""
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET]
+    if value.WhichOneof("kind") != "list_value":
+        return frozenset()
+    return frozenset(v.string_value for v in value.list_value.values if v.string_value)
+
+
+def source_address(message: ProcessingRequest) -> str | None:
+    """The client's address, from the `source.address` attribute Envoy sends (as `ip:port`)."""
+    for attributes in message.attributes.values():
+        value = attributes.fields.get("source.address")
+        if value is not None and value.string_value:
+            address = str(value.string_value)
+            host, _, _port = address.rpartition(":")
+            return host.strip("[]") or address
+    return None
