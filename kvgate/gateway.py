@@ -116,7 +116,7 @@ class Gateway:
         """The request path, for a body read whole, served through `plane`."""
         await self.take_front(x, remote)  # parse & validate, identify, normalize, count
         self.size(x)  # what vLLM will count, the pool, the worst case
-        self.plan(x, plane.subset)  # what to reserve, where it prefers to run, what to send
+        self.plan(x, plane)  # what to reserve, where it prefers to run, what to send
         held_at_most = self.held_at_most(x)
         async with self.budgets.charge(x.tenant, x.bound.worst_tokens, held_at_most) as x.charge:
             try:  # admit, forward and relay; again elsewhere where the attempts stage says
@@ -156,9 +156,10 @@ class Gateway:
         x.bound = bound_worst_case(parsed, prompts, model, x.tenant, served_len)
         x.info.prompt_tokens, x.info.max_tokens = x.bound.prompt_tokens, x.bound.max_tokens
 
-    def plan(self, x: Exchange, subset: frozenset[str] | None = None) -> None:
-        """What to reserve, where the request prefers to run, and the body to send; only on
-        the replicas (host:port) of `subset` where the data plane names them."""
+    def plan(self, x: Exchange, plane: Plane[T]) -> None:
+        """What to reserve, where the request prefers to run (only on the replicas the data
+        plane allows), and the body to send (asking for a stream's usage where kvgate reads
+        the answer)."""
         config = x.rt.config
         x.demand = self.sizing.demand(
             x.pool, x.parsed, x.tenant, x.bound, x.count, x.terms, config
@@ -169,9 +170,11 @@ class Gateway:
             prefix=x.fingerprint or x.demand.prefix_key,
             holder=x.info.key,  # a half-open replica's trial is claimed by this request
             token_ids=x.count.token_ids,
-            exclude=self.outside(subset),
+            exclude=self.outside(plane.subset),
         )
-        x.payload = upstream_payload(x.parsed, x.bound, None if x.edited else x.raw)
+        x.payload = upstream_payload(
+            x.parsed, x.bound, None if x.edited else x.raw, ask_usage=plane.sees_body
+        )
 
     def outside(self, subset: frozenset[str] | None) -> frozenset[str]:
         """The replicas not in `subset` (addresses host:port): none where it is None."""
@@ -211,6 +214,7 @@ class Gateway:
         assert x.slot is not None
         replica, attempt = x.slot.replica, x.attempt
         attempt.replica, attempt.decode_start = replica, replica.decode_clock.reading()
+        attempt.body_seen = plane.sees_body
         x.slot.progress = written_tokens(x.parsed, x.bound, attempt)
         demand = x.route.demand
         replica.inflight[x.info.key] = Writing(
@@ -337,7 +341,7 @@ class Gateway:
     async def settle_unreported(self, x: Exchange) -> None:
         """Charge what the replica processed for a request whose usage never came; for a
         whole answer, by its decode clock read once more after the answer ended."""
-        if not x.parsed.stream and self.http is not None:
+        if not x.attempt.counted(x.parsed.stream) and self.http is not None:
             await self.http.figures_after(x.attempt, x.rt.config.discovery.timeout_s)
         completion = processed_tokens(x.parsed, x.bound, x.attempt)
         x.info.charged_tokens = x.bound.prompt_tokens + completion

@@ -17,15 +17,15 @@ from kvgate.transport.base import Outcome
 def processed_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> int:
     """Output tokens a replica computed for a request that ended without reporting usage.
 
-    Streamed: the chunks relayed. Not streamed (the client gave up, or the call failed
-    midway): what the replica's decode clock advanced from sending until now — its own count
+    Streamed through kvgate: the chunks relayed. Otherwise (a whole answer the client gave up
+    on, or a call that failed midway; a stream whose body went past kvgate): what the replica's decode clock advanced from sending until now — its own count
     of the tokens each of its sequences produced meanwhile, read from its /metrics — per
     sequence, within max_tokens: what it spent on the request, so that timing out cannot beat
     the budget. The caller has the replica's figures read after the request ended
     (`replicas.metrics_after`), so that the clock covers its end, not an extrapolation. Until
     the replica's clock runs, the whole reservation is charged.
     """
-    if parsed.stream or outcome.sent_at is None:
+    if outcome.counted(parsed.stream) or outcome.sent_at is None:
         return outcome.streamed_tokens
     sequences = bound.prompts * parsed.sequences
     clock = None if outcome.replica is None else outcome.replica.decode_clock
@@ -50,7 +50,7 @@ def written_tokens(parsed: ParsedRequest, bound: Bound, outcome: Outcome) -> Cal
         nonlocal high
         start, replica = outcome.decode_start, outcome.replica
         now = None if replica is None else replica.decode_clock.now()
-        if parsed.stream or outcome.sent_at is None:
+        if outcome.counted(parsed.stream) or outcome.sent_at is None:
             value = bound.prompt_tokens + processed_tokens(parsed, bound, outcome)
         elif start is None or now is None:
             value = bound.prompt_tokens  # no clock yet: its prediction stands, not its worst

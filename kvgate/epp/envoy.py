@@ -62,7 +62,7 @@ def _cluster(name: str, endpoints: Sequence[str], **more: Any) -> dict[str, Any]
 def bootstrap(
     *, listen: str, picker: str | None, replicas: Sequence[str], failure_mode_allow: bool = False,
     admin: str | None = None, message_timeout_s: float = 900.0, max_body_bytes: int = 8 << 20,
-    subset: Sequence[str] | None = None,
+    subset: Sequence[str] | None = None, response_body: str = "STREAMED",
 ) -> dict[str, Any]:
     """Envoy listening on `listen` (host:port), asking kvgate at `picker` (host:port) where
     each request goes among `replicas` (host:port each); `picker` None: Envoy alone, round
@@ -71,7 +71,9 @@ def bootstrap(
     long Envoy waits for each of kvgate's answers; the pick waits while the request queues, so
     it must cover admission.queue.max_wait_s. `subset`: the endpoints Envoy allows kvgate to
     pick from (the protocol's subset hint, as a gateway sets it per route), sent with every
-    request."""
+    request. `response_body`: STREAMED, the answer's body through kvgate (its tokens counted,
+    its usage read: exact charges); NONE, only its headers and its end (the charge from the
+    replica's decode clock; the cheapest)."""
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -83,7 +85,7 @@ def bootstrap(
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",
                 "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED",
+                "response_body_mode": response_body,
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },

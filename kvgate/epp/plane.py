@@ -45,16 +45,22 @@ TIMED_OUT = frozenset({"UT"})
 
 
 class EnvoyRequest:
-    """One request's side of Envoy: its `send` is the plane's transport, `deliver` its relay."""
+    """One request's side of Envoy: its `send` is the plane's transport, `deliver` its relay.
+    `sees_body`: Envoy sends the answer's body through kvgate (its response_body_mode
+    STREAMED); else (NONE, headers mode) only the answer's headers and then its end."""
 
-    def __init__(self, stream: EnvoyStream, incoming: Mapping[str, str], raw: bytes) -> None:
+    def __init__(
+        self, stream: EnvoyStream, incoming: Mapping[str, str], raw: bytes, *, sees_body: bool
+    ) -> None:
         self.stream = stream
+        self.sees_body = sees_body
         self.incoming = incoming  # the client's headers, as Envoy has them
         self.raw = raw  # the client's body, as Envoy buffered it
         self.out: list[bytes] | None = None  # what goes on for the body chunk awaiting its answer
         self.chunk = b""  # that chunk, as it came
         self.ended = False  # the answer's last chunk came
         self.gave_up = False  # kvgate stopped following the answer (a timeout): Envoy must end it
+        self.answered = False  # the answer's headers went on to the client
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         """Answer the request body with the pick; the answer once its headers came."""
@@ -121,8 +127,13 @@ class EnvoyRequest:
                 judge_whole(answer, await self.buffered())  # raises; answered with the error
                 return
             await self.stream.answer(headers_reply("response_headers", headers, remove=[FLAGS]))
+            self.answered = answer.status < 400
             idle = answer.request.timeouts.idle_s
             until = asyncio.get_running_loop().time() + (answer.deadline - time.monotonic())
+            if not self.sees_body:  # headers mode: the answer's end is the stream's
+                await self.until_closed(until)
+                outcome.done = answer.status < 400
+                return
             if answer.status >= 400 or not answer.request.stream:
                 async with asyncio.timeout_at(until):
                     judge_whole(answer, await self.read())  # a 4xx goes as the replica wrote it
@@ -135,6 +146,19 @@ class EnvoyRequest:
             outcome.upstream_failed = self.gave_up = True
         finally:
             await answer.aclose()
+
+    async def until_closed(self, until: float) -> None:
+        """Until Envoy ends the exchange (headers mode: the answer goes past kvgate). Envoy
+        closes the stream, or resets it (`ended_by_envoy`), once the answer is over or the
+        client left: kvgate cannot tell which (Envoy's access log can: flag DC)."""
+        async with asyncio.timeout_at(until):
+            await self.stream.pass_through()
+
+    def ended_by_envoy(self) -> bool:
+        """In headers mode, a reset of the stream once the answer's headers went on is how
+        Envoy may end the exchange (gRPC cancels the handler before its context says so):
+        the answer's end, not a failure."""
+        return not self.sees_body and self.answered
 
     async def readany(self) -> bytes:
         """The answer's next body chunk (b"" at its end); the one before goes on, as changed."""

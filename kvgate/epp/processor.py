@@ -22,6 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -48,6 +49,23 @@ from kvgate.transport.plane import Plane
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {("POST", e.value): e for e in Endpoint}
+# How Envoy may send the answer's body: through kvgate chunk by chunk (or whole), or not at all.
+BODY_MODES = {ProcessingMode.STREAMED, ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL,
+              ProcessingMode.NONE}  # fmt: skip
+
+
+def body_mode(first: ProcessingRequest) -> int:
+    """The answer's body mode Envoy says it will use (its first message's protocol_config;
+    an Envoy that does not say: STREAMED, as kvgate's Envoy config sets it)."""
+    if not first.HasField("protocol_config"):
+        return int(ProcessingMode.STREAMED)
+    mode = int(first.protocol_config.response_body_mode)
+    if mode not in BODY_MODES:
+        raise ServerError(
+            f"Envoy's response_body_mode {ProcessingMode.BodySendMode.Name(mode)} is not one "
+            "kvgate follows: use STREAMED (the body through kvgate) or NONE (headers only)"
+        )
+    return mode
 
 
 class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -80,13 +98,20 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
             x = Exchange(self.gateway.runtime, info, endpoint, client)
             x.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
-            envoy = EnvoyRequest(stream, client, x.raw)
+            sees_body = body_mode(first) != ProcessingMode.NONE
+            envoy = EnvoyRequest(stream, client, x.raw, sees_body=sees_body)
             plane = Plane(
                 BreakerTransport(envoy, self.gateway.breakers), envoy.deliver,
-                retries=False, subset=subset_of(first),
+                retries=False, subset=subset_of(first), sees_body=sees_body,
             )
             await self.gateway.run(x, source_address(first), plane)
         except asyncio.CancelledError:  # Envoy reset the stream: the client left
+            if envoy is not None and envoy.ended_by_envoy():  # or, in headers mode, the end
+                record(self.gateway, info, "ok", 200)
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                return
             record(self.gateway, info, "ok" if info.delivered else "disconnected", 499)
             raise
         except KvgateError as exc:

@@ -182,28 +182,32 @@ def max_tokens_field(parsed: ParsedRequest) -> str:
     return "max_tokens" if parsed.body.get("max_completion_tokens") is None else "max_completion_tokens"
 
 
-def upstream_body(parsed: ParsedRequest, bound: Bound) -> dict[str, object]:
+def upstream_body(
+    parsed: ParsedRequest, bound: Bound, *, ask_usage: bool = True
+) -> dict[str, object]:
     """The body to forward: the client's, plus an operator's cap on an omitted max_tokens
     (`Bound.set_max_tokens`), plus a request for usage on streams (stripped again from the
-    client's stream if unasked)."""
+    client's stream if unasked; not where kvgate does not read the answer, `ask_usage`)."""
     body = dict(parsed.body)
     if bound.set_max_tokens:
         body["max_tokens"] = bound.max_tokens
-    if parsed.stream:
+    if parsed.stream and ask_usage:
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
         body["stream_options"] = options
     return body
 
 
-def upstream_payload(parsed: ParsedRequest, bound: Bound, raw: bytes | None) -> bytes:
+def upstream_payload(
+    parsed: ParsedRequest, bound: Bound, raw: bytes | None, *, ask_usage: bool = True
+) -> bytes:
     """`upstream_body` as bytes: the client's own bytes `raw` when kvgate leaves them
-    unchanged (no cap to forward, and for a stream include_usage asked already; None: the
-    body was edited before, by normalization) rather than serialized again."""
-    unchanged = not bound.set_max_tokens and not (parsed.stream and not parsed.client_wants_usage)
-    if raw is not None and unchanged:
+    unchanged (no cap to forward, and for a stream include_usage asked already or not to be
+    asked; None: the body was edited before, by normalization) rather than serialized again."""
+    asks = ask_usage and parsed.stream and not parsed.client_wants_usage
+    if raw is not None and not bound.set_max_tokens and not asks:
         return raw
-    return orjson.dumps(upstream_body(parsed, bound))
+    return orjson.dumps(upstream_body(parsed, bound, ask_usage=ask_usage))
 
 
 class Catalog:

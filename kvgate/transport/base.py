@@ -60,9 +60,16 @@ class Outcome:
     unreachable: bool = False  # the request never got to the replica (connection failed)
     timed_out: bool = False  # no response headers within first_byte_s
     busy: str | None = None  # vLLM's queue limits refused it (their reason): not a failure
+    # the answer's body passed through kvgate (False behind Envoy in headers mode: a stream's
+    # tokens are then the replica's decode clock's, as for a whole answer)
+    body_seen: bool = True
 
     def completion_tokens(self) -> int:
         return self.usage.completion_tokens if self.usage else self.streamed_tokens
+
+    def counted(self, stream: bool) -> bool:
+        """Its output is the chunks kvgate counted: a stream whose body kvgate saw."""
+        return stream and self.body_seen
 
     def caused_no_work(self, stream: bool) -> bool:
         """The replica processed nothing the tenant caused: the request was never sent, never

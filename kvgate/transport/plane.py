@@ -34,3 +34,7 @@ class Plane(Generic[T]):
     retries: bool = True
     # the replicas (host:port) the data plane allows for this request; None: any
     subset: frozenset[str] | None = None
+    # the answer's body passes through kvgate: a stream's usage is asked for (and stripped
+    # where the client did not ask), its tokens counted; else (Envoy in headers mode) the
+    # replica's decode clock tells what it produced
+    sees_body: bool = True

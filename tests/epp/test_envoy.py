@@ -40,12 +40,17 @@ async def post(
         return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
 
 
+# Envoy's response_body_mode: the answer's body through kvgate, or only its headers and end.
+BODY_MODES = ["STREAMED", "NONE"]
+
+
+@pytest.mark.parametrize("body", BODY_MODES)
 async def test_the_openai_client_gets_the_same_answers_through_envoy_as_from_kvgate(
-    sim_factory, gateway_factory, envoy_factory
+    body, sim_factory, gateway_factory, envoy_factory
 ):
     replicas = [await sim_factory(**SIM, seed=i) for i in range(2)]
     gw = await gateway_factory(epp_config([r.url for r in replicas]))
-    envoy = await envoy_factory(gw, replicas)
+    envoy = await envoy_factory(gw, replicas, response_body=body)
     answers: dict[str, list[Any]] = {}
     for name, url in (("kvgate", gw.url), ("envoy", envoy.url)):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -58,8 +63,10 @@ async def test_the_openai_client_gets_the_same_answers_through_envoy_as_from_kvg
             if name == "envoy":  # Envoy sent it where kvgate picked
                 assert raw.headers[SERVED] == raw.headers["x-kvgate-replica"]
             chat = raw.parse()
+            # the same books: kvgate's count of the prompt and the blocks it reserved
+            books = (raw.headers["x-kvgate-prompt-tokens"], raw.headers["x-kvgate-reserved-blocks"])
             got.append(("chat", chat.choices[0].message.content, chat.usage.completion_tokens,
-                        chat.usage.prompt_tokens, chat.choices[0].finish_reason))
+                        chat.usage.prompt_tokens, chat.choices[0].finish_reason, books))
             for usage in (True, False):
                 stream = await client.chat.completions.create(
                     model=SIM_MODEL, messages=messages, max_tokens=12, stream=True,
@@ -83,7 +90,9 @@ async def test_the_openai_client_gets_the_same_answers_through_envoy_as_from_kvg
         "kvgate_requests_total",
         {"model": SIM_MODEL, "pool": "default", "tenant": "anonymous", "outcome": "ok"},
     )
-    assert requests == 2 * 4 * 4
+    outcomes = {s.labels["outcome"]: s.value for m in gw.gateway.metrics.requests.collect()
+                for s in m.samples if s.name.endswith("_total")}
+    assert requests == 2 * 4 * 4, outcomes
 
 
 async def test_bad_input_is_refused_through_envoy_and_never_forwarded(
@@ -164,9 +173,10 @@ async def test_a_tenant_is_identified_and_its_budget_charged_through_envoy(
     await wait_released(gw)
 
 
+@pytest.mark.parametrize("mode", BODY_MODES)
 @pytest.mark.parametrize("moment", ["queued", "before_headers", "mid_stream"])
 async def test_a_client_hanging_up_behind_envoy_releases_everything(
-    moment, stub_factory, gateway_factory, envoy_factory
+    moment, mode, stub_factory, gateway_factory, envoy_factory
 ):
     gate = asyncio.Event()
     stub = await stub_factory(
@@ -175,7 +185,7 @@ async def test_a_client_hanging_up_behind_envoy_releases_everything(
     gw = await gateway_factory(epp_config(
         [stub.url], admission={"mode": "worst_case", "queue": {"max_wait_s": 30}},
     ))
-    envoy = await envoy_factory(gw, [stub])
+    envoy = await envoy_factory(gw, [stub], response_body=mode)
     body = bodies.chat("go", max_tokens=200, stream=True)
     async with aiohttp.ClientSession() as http:
         blocker = None
@@ -244,15 +254,16 @@ async def test_failure_mode_allow_decides_what_envoy_does_once_kvgate_is_gone(
     await wait_released(gw)
 
 
+@pytest.mark.parametrize("body", BODY_MODES)
 async def test_a_busy_replica_is_the_clients_429_and_its_circuit_stays_closed(
-    sim_factory, gateway_factory, envoy_factory
+    body, sim_factory, gateway_factory, envoy_factory
 ):
     sim = await sim_factory(**SIM, max_num_queued_reqs=0)  # refuses everything as busy
     gw = await gateway_factory(epp_config(
         [sim.url], admission={"busy_backoff_s": 0.5},
         routing={"circuit": {"failure_threshold": 2, "open_s": 60}},
     ))
-    envoy = await envoy_factory(gw, [sim])
+    envoy = await envoy_factory(gw, [sim], response_body=body)
     async with aiohttp.ClientSession() as http:
         for stream in (False, True, False):
             status, headers, raw = await post(
