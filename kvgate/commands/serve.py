@@ -89,7 +89,9 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, TokenizerError) as exc:
         print(f"kvgate: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    workers = args.workers if args.workers is not None else default_workers(config.state.backend)
+    workers = args.workers
+    if workers is None:  # the endpoint picker listens in one process (docs/envoy.md)
+        workers = 1 if config.server.epp.port is not None else default_workers(config.state.backend)
     refusal = workers_refusal(config, workers)
     if refusal is not None:
         print(f"kvgate: {refusal}", file=sys.stderr)
@@ -181,6 +183,9 @@ def workers_refusal(config: Config, workers: int) -> str | None:
                 f"{workers})")  # fmt: skip
     if workers > 1 and config.server.port == 0:
         return "--workers needs a fixed server.port (they all listen on it)"
+    if workers > 1 and config.server.epp.port is not None:
+        return (f"--workers {workers} with server.epp: the endpoint picker runs in one process "
+                "(run more pods, each with --workers 1)")
     return None
 
 
