@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -151,13 +152,18 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """Ready when every configured model (or, with none configured, any model) has at least
     one healthy replica."""
-    gateway = request.app[GATEWAY]
+    body = readiness(request.app[GATEWAY])
+    return web.json_response(body, status=200 if body["ready"] else 503)
+
+
+def readiness(gateway: Gateway) -> dict[str, Any]:
+    """Whether the gateway can serve: every configured model (or, with none configured, any
+    model) has a healthy replica. /ready's body, and the picker's gRPC readiness."""
     served = gateway.registry.models()
     wanted = [m.name for m in gateway.runtime.config.models]
     missing = [m for m in wanted if m not in served]
     ok = not missing if wanted else bool(served)
-    body = {"ready": ok, "models": sorted(served), "missing": missing}
-    return web.json_response(body, status=200 if ok else 503)
+    return {"ready": ok, "models": sorted(served), "missing": missing}
 
 
 async def admin_prompts(request: web.Request) -> web.Response:

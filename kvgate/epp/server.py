@@ -1,18 +1,22 @@
 """The gRPC listener Envoy calls: the external processor and gRPC health.
 
-Health answers for the whole server (""), for `envoy.service.ext_proc.v3.ExternalProcessor`
-and for `kvgate.readiness`: SERVING once the first discovery round is over (the same moment
-the HTTP listener starts serving), NOT_SERVING from the start of shutdown, so that Envoy's
-health checks move on before the listener goes.
+Health answers for the whole server ("") and `envoy.service.ext_proc.v3.ExternalProcessor`
+(liveness: SERVING while the picker runs, NOT_SERVING from the start of shutdown, so that
+health checks move on before the listener goes), and for `kvgate.readiness`: what /ready
+says (every configured model has a healthy replica), followed once a second.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from kvgate.api.routes import readiness
 from kvgate.config import EppConfig
 from kvgate.epp.processor import Processor
 from kvgate.gateway import Gateway
@@ -20,10 +24,13 @@ from kvgate.gateway import Gateway
 PROCESSOR = "envoy.service.ext_proc.v3.ExternalProcessor"
 READINESS = "kvgate.readiness"
 SERVICES = ("", PROCESSOR, READINESS)
+READINESS_EVERY_S = 1.0
 
 
 class EppServer:
     def __init__(self, gateway: Gateway, config: EppConfig) -> None:
+        self.gateway = gateway
+        self.watch: asyncio.Task[None] | None = None
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -38,16 +45,34 @@ class EppServer:
 
     async def start(self) -> None:
         await self.server.start()
-        await self.serving(True)
+        for service in ("", PROCESSOR):
+            await self.health.set(service, _status(True))
+        await self.health.set(READINESS, _status(self.ready()))
+        self.watch = asyncio.create_task(self.follow_readiness())
 
-    async def serving(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else (
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in SERVICES:
-            await self.health.set(service, status)
+    def ready(self) -> bool:
+        return bool(readiness(self.gateway)["ready"])
+
+    async def follow_readiness(self) -> None:
+        was = self.ready()
+        while True:
+            await asyncio.sleep(READINESS_EVERY_S)
+            now = self.ready()
+            if now != was:
+                await self.health.set(READINESS, _status(now))
+                was = now
 
     async def stop(self, grace_s: float) -> None:
         """NOT_SERVING, then the streams under way get `grace_s` to finish."""
-        await self.serving(False)
+        if self.watch is not None:
+            self.watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.watch
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
         await self.server.stop(grace_s)
+
+
+def _status(ok: bool) -> int:
+    return int(
+        health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+    )

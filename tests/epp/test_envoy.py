@@ -17,7 +17,7 @@ import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvgate.epp.server import SERVICES
+from kvgate.epp.server import PROCESSOR, SERVICES
 from kvgate.epp.stream import SERVED
 from tests.plugins import bodies
 from tests.plugins.bodies import SIM_MODEL
@@ -302,11 +302,24 @@ async def test_the_picker_answers_grpc_health_and_other_paths_pass_through(
     stub = await stub_factory()
     gw = await gateway_factory(epp_config([stub.url]))
     envoy = await envoy_factory(gw, [stub])
-    async with grpc.aio.insecure_channel(picker_of(gw).address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        for service in SERVICES:
-            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
     async with aiohttp.ClientSession() as http, http.get(f"{envoy.url}/v1/models") as resp:
         assert resp.status == 200
         assert (await resp.json())["data"][0]["id"] == bodies.STUB_MODEL
+    serving = health_pb2.HealthCheckResponse.SERVING
+    async with grpc.aio.insecure_channel(picker_of(gw).address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            return int(reply.status)
+
+        for service in SERVICES:
+            assert await status(service) == serving
+        assert stub.runner is not None
+        await stub.runner.cleanup()  # the only replica goes: not ready, still alive
+
+        async def not_ready() -> bool:
+            return await status("kvgate.readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await eventually(not_ready, what="readiness followed /ready")
+        assert await status(PROCESSOR) == serving
