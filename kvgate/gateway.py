@@ -7,8 +7,9 @@
     again, elsewhere or from the queue, if its vLLM refused it as busy)
     → settle: release blocks, correct the charge, record metrics
 
-`handle` is that diagram: each step a call of a stage that reads and fills the request's
-`Exchange` record. Each resource is held by an `async with`, so every ending — completion,
+`run` is that diagram: each step a call of a stage that reads and fills the request's
+`Exchange` record, whichever data plane serves the request (`Plane`: kvgate's own HTTP proxy,
+`handle`; or Envoy, with kvgate as its endpoint picker, `kvgate.epp`). Each resource is held by an `async with`, so every ending — completion,
 upstream error, timeout, client disconnect, cancellation — releases it exactly once. Every
 stage reads the request's own config snapshot, `x.rt` (`kvgate.runtime`), taken when the
 request starts.
