@@ -56,9 +56,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         record(gateway, info, "ok" if info.delivered else "disconnected", 499)
         raise
     except KvgateError as exc:
-        outcome = "refused" if exc.status < 500 else "upstream_error"
-        record(gateway, info, outcome, exc.status, exc.refusal_reason)
-        gateway.metrics.refusals.labels(info.pool, info.tenant, exc.refusal_reason).inc()
+        refused(gateway, info, exc)
         return error_response(exc, info.request_id)
     except web.HTTPException as exc:
         error = _from_http(exc)
@@ -68,8 +66,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
-        record(gateway, info, "upstream_error", error.status, error.refusal_reason)
-        gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
+        refused(gateway, info, error)
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
         outcome = "ok" if response.status < 400 else "upstream_error"
@@ -79,6 +76,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             outcome = "disconnected"
         record(gateway, info, outcome, response.status)
     return response
+
+
+def refused(gateway: Gateway, info: RequestInfo, error: KvgateError) -> None:
+    """A request that ended in `error`: counted by outcome and refusal reason."""
+    record(gateway, info, "refused" if error.status < 500 else "upstream_error", error.status,
+           error.refusal_reason)
+    gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
 
 
 def record(
@@ -137,12 +141,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
+    return web.json_response(model_list(request.app[GATEWAY]))
+
+
+def model_list(gateway: Gateway) -> dict[str, Any]:
+    """/v1/models: the union of what healthy replicas serve, whichever data plane asks."""
     data = [
         {"id": name, "object": "model", "owned_by": "kvgate", "max_model_len": length}
         for name, length in sorted(gateway.registry.models().items())
     ]
-    return web.json_response({"object": "list", "data": data})
+    return {"object": "list", "data": data}
 
 
 async def health(request: web.Request) -> web.Response:

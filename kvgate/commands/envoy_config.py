@@ -14,7 +14,7 @@ import sys
 
 import yaml
 
-from kvgate.config import ConfigError, load_config
+from kvgate.config import Config, ConfigError, load_config
 from kvgate.epp.envoy import bootstrap
 from kvgate.fleet.replicas import Replica
 
@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replica's decode clock)")
     parser.add_argument("--failure-mode-allow", action="store_true",
                         help="while kvgate is down, Envoy round-robins (default: it refuses)")
+
+
+def message_timeout_s(config: Config) -> float:
+    """How long Envoy must wait for the pick: the request may wait for its session's replica,
+    then in the queue, before kvgate answers."""
+    return config.routing.sessions.affinity_wait_s + config.admission.queue.max_wait_s + 5.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
         listen=args.listen, picker=args.picker or f"{host}:{epp.port}", replicas=replicas,
         admin=args.admin, failure_mode_allow=args.failure_mode_allow,
         response_body=args.response_body.upper(),
-        # the pick waits while the request queues: Envoy must wait as long
-        message_timeout_s=config.admission.queue.max_wait_s + 5.0,
+        message_timeout_s=message_timeout_s(config),
         max_body_bytes=config.server.max_body_bytes,
+        total_s=config.timeouts.total_s, idle_s=config.timeouts.idle_s,
     )
     sys.stdout.write(yaml.safe_dump(tree, sort_keys=False))
     return 0

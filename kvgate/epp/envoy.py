@@ -63,6 +63,7 @@ def bootstrap(
     *, listen: str, picker: str | None, replicas: Sequence[str], failure_mode_allow: bool = False,
     admin: str | None = None, message_timeout_s: float = 900.0, max_body_bytes: int = 8 << 20,
     subset: Sequence[str] | None = None, response_body: str = "STREAMED",
+    total_s: float = 900.0, idle_s: float = 60.0,
 ) -> dict[str, Any]:
     """Envoy listening on `listen` (host:port), asking kvgate at `picker` (host:port) where
     each request goes among `replicas` (host:port each); `picker` None: Envoy alone, round
@@ -73,7 +74,9 @@ def bootstrap(
     pick from (the protocol's subset hint, as a gateway sets it per route), sent with every
     request. `response_body`: STREAMED, the answer's body through kvgate (its tokens counted,
     its usage read: exact charges); NONE, only its headers and its end (the charge from the
-    replica's decode clock; the cheapest)."""
+    replica's decode clock; the cheapest). `total_s` and `idle_s`: Envoy's timeouts for the
+    whole answer and for a gap in it (kvgate's `timeouts`; Envoy enforces them, answering 504
+    itself, which kvgate reads from the response flags)."""
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -108,7 +111,7 @@ def bootstrap(
     }]
     route = {
         "match": {"prefix": "/"},
-        "route": {"cluster": "pool", "timeout": "0s", "idle_timeout": "0s"},
+        "route": {"cluster": "pool", "timeout": f"{total_s:g}s", "idle_timeout": f"{idle_s:g}s"},
         "response_headers_to_add": [
             {"header": {"key": SERVED, "value": "%UPSTREAM_HOST%"}},
             {"header": {"key": FLAGS, "value": "%RESPONSE_FLAGS%"}},
@@ -120,6 +123,10 @@ def bootstrap(
         "codec_type": "AUTO",
         "stream_idle_timeout": "0s",
         "request_timeout": "0s",
+        # one spelling of a path: kvgate decides on /v1/chat/completions and /v1/completions
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": [route]}]},
         "http_filters": [
             *([] if picker is None else [*hint, ext_proc]),

@@ -7,10 +7,12 @@ through kvgate chunk by chunk (`Plane` of `kvgate.transport.plane`).
               counting tokens and taking the usage (stripped where the client did not ask
               for it), as the proxy's relay does, with the same `Events`
 
-A replica's 5xx is read whole before the client sees it (the body's mode is switched to
+An answer of 400 or more is read whole before the client sees it (the body's mode switched to
 buffered for that answer): vLLM's busy 503 and a failure are told apart as in proxy mode, and
 the client is answered in OpenAI's shape. Behind Envoy a request is sent once: Envoy holds it,
-so the attempts stage does not place it again.
+so the attempts stage does not place it again. Envoy enforces the upstream timeouts (its
+route's, written from kvgate's `timeouts`: a 504 it answers itself is read by its flags);
+kvgate's own waits are a backstop a few seconds longer, after which it ends the exchange.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import functools
 import time
 from collections.abc import Mapping
 
+import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
 from multidict import CIMultiDict
 
@@ -27,6 +30,7 @@ from kvgate.epp.stream import (
     DESTINATION,
     FLAGS,
     LB_NAMESPACE,
+    SERVED,
     SYSTEM_OWNED,
     EnvoyStream,
     body_reply,
@@ -36,12 +40,17 @@ from kvgate.epp.stream import (
 )
 from kvgate.errors import UpstreamError, UpstreamTimeout
 from kvgate.idle import IdleTimeout
-from kvgate.transport.base import HOP_BY_HOP, Outcome, UpstreamRequest, UpstreamResponse
-from kvgate.transport.relay import DONE, Events, judge_whole
+from kvgate.transport.base import Outcome, UpstreamRequest, UpstreamResponse
+from kvgate.transport.relay import Events, judge_whole, wrote
 
 # Envoy's response flags that say the replica was never reached, or did not answer in time.
 UNREACHED = frozenset({"UF", "UH", "URX", "UO", "NR", "NC"})
-TIMED_OUT = frozenset({"UT"})
+TIMED_OUT = frozenset({"UT", "SI"})  # upstream request timeout, stream idle timeout
+# How much longer than Envoy's own timeouts kvgate waits before it ends the exchange itself.
+BACKSTOP_S = 5.0
+# Headers Envoy keeps for the connections it owns (never removed by kvgate; the rest of the
+# client's headers that the proxy would not send on are removed, hop-by-hop ones included).
+ENVOY_OWNED = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 class EnvoyRequest:
@@ -59,23 +68,24 @@ class EnvoyRequest:
         self.out: list[bytes] | None = None  # what goes on for the body chunk awaiting its answer
         self.chunk = b""  # that chunk, as it came
         self.ended = False  # the answer's last chunk came
-        self.gave_up = False  # kvgate stopped following the answer (a timeout): Envoy must end it
+        self.picked = False  # the pick went to Envoy: the request is on its way
         self.answered = False  # the answer's headers went on to the client
+        self.finished = False  # the whole answer went on: a reset now is Envoy's close
+        self.gave_up = False  # kvgate stopped following the answer: Envoy must end it
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         """Answer the request body with the pick; the answer once its headers came."""
         attempt, replica, t = request.attempt, request.replica, request.timeouts
         deadline = time.monotonic() + t.total_s
         await self.stream.answer(self.pick(request))
+        self.picked = True
         attempt.sent_at = time.monotonic()
         try:
-            async with asyncio.timeout(min(t.first_byte_s, t.total_s)):
+            async with asyncio.timeout(t.total_s + BACKSTOP_S):
                 message = await self.stream.next()
         except TimeoutError:
-            attempt.upstream_failed = attempt.timed_out = True
-            raise UpstreamTimeout(
-                f"replica {replica.id} did not answer within {t.first_byte_s:g}s"
-            ) from None
+            attempt.upstream_failed = attempt.timed_out = self.gave_up = True
+            raise UpstreamTimeout(f"Envoy sent no answer from replica {replica.id}") from None
         if message is None or message.WhichOneof("request") != "response_headers":
             attempt.upstream_failed = True
             raise UpstreamError(f"Envoy ended the exchange before replica {replica.id} answered")
@@ -87,7 +97,15 @@ class EnvoyRequest:
             raise UpstreamError(f"replica {replica.id} could not be reached ({','.join(flags)})")
         if flags & TIMED_OUT:
             attempt.upstream_failed = attempt.timed_out = True
-            raise UpstreamTimeout(f"replica {replica.id} did not answer in time")
+            raise UpstreamTimeout(f"replica {replica.id} did not answer within Envoy's timeout")
+        served = headers.get(SERVED)
+        if served and served != replica.address:
+            # Envoy's cluster lacks the pick (override_host fell back): booked here, run there
+            attempt.upstream_failed = True
+            raise UpstreamError(
+                f"Envoy sent the request to {served}, not to the replica kvgate admitted it on "
+                f"({replica.address}): the pool's cluster must list the same addresses"
+            )
         attempt.status = status
         self.ended = message.response_headers.end_of_stream
         return UpstreamResponse(
@@ -98,11 +116,12 @@ class EnvoyRequest:
         """The request body's answer: the endpoint, and the request as kvgate sends it on
         (its headers as the proxy would send them; its body where kvgate changed it)."""
         wanted = CIMultiDict(request.headers)
+        for name in SYSTEM_OWNED:  # the picker's and the data plane's, never the client's
+            wanted.popall(name, None)
         wanted[DESTINATION] = request.replica.address
-        remove = [
-            name for name in self.incoming
-            if not name.startswith(":") and name not in wanted
-            and name not in HOP_BY_HOP and name not in SYSTEM_OWNED
+        remove = [  # the picker's own headers included, whatever the client sent
+            name for name in dict.fromkeys(self.incoming)
+            if not name.startswith(":") and name not in wanted and name not in ENVOY_OWNED
         ]
         body = None
         if request.body != self.raw:
@@ -118,53 +137,65 @@ class EnvoyRequest:
     ) -> None:
         """Relay `answer` through Envoy with kvgate's response `headers`."""
         outcome = answer.request.attempt
+        idle = answer.request.timeouts.idle_s + BACKSTOP_S
+        until = asyncio.get_running_loop().time() + (answer.deadline - time.monotonic())
+        until += BACKSTOP_S
         try:
-            if answer.status >= 500:  # read whole before the client sees it: busy or failed
-                if not self.ended:
-                    await self.stream.answer(
-                        headers_reply("response_headers", {}, buffer_body=True)
-                    )
-                judge_whole(answer, await self.buffered())  # raises; answered with the error
-                return
-            await self.stream.answer(headers_reply("response_headers", headers, remove=[FLAGS]))
-            self.answered = answer.status < 400
-            idle = answer.request.timeouts.idle_s
-            until = asyncio.get_running_loop().time() + (answer.deadline - time.monotonic())
-            if not self.sees_body:  # headers mode: the answer's end is the stream's
-                await self.until_closed(until)
-                outcome.done = answer.status < 400
-                return
-            if answer.status >= 400 or not answer.request.stream:
+            if answer.status >= 400:
+                await self.error(answer, headers)
+            elif not self.sees_body:  # headers mode: the answer's end is the stream's
+                await self.answer_headers(headers)
+                self.finished = True  # what is left goes past kvgate: Envoy's close or reset
                 async with asyncio.timeout_at(until):
-                    judge_whole(answer, await self.read())  # a 4xx goes as the replica wrote it
-                return
-            events = Events(functools.partial(self.relay, outcome), outcome, client_wants_usage)
-            async with IdleTimeout(idle, until) as limit:
-                await events.pump(self.readany, limit)
-            await events.flush()
+                    await self.stream.pass_through()
+                outcome.done = True
+            elif not answer.request.stream:
+                await self.answer_headers(headers)
+                async with asyncio.timeout_at(until):
+                    judge_whole(answer, await self.read())
+            else:
+                await self.answer_headers(headers)
+                events = Events(functools.partial(self.relay, outcome), outcome, client_wants_usage)
+                async with IdleTimeout(idle, until) as limit:
+                    await events.pump(self.readany, limit)
+                await events.flush()
         except TimeoutError:
             outcome.upstream_failed = self.gave_up = True
         finally:
             await answer.aclose()
 
-    async def until_closed(self, until: float) -> None:
-        """Until Envoy ends the exchange (headers mode: the answer goes past kvgate). Envoy
-        closes the stream, or resets it (`ended_by_envoy`), once the answer is over or the
-        client left: kvgate cannot tell which (Envoy's access log can: flag DC)."""
-        async with asyncio.timeout_at(until):
-            await self.stream.pass_through()
+    async def answer_headers(self, headers: Mapping[str, str], *, buffer: bool = False) -> None:
+        await self.stream.answer(
+            headers_reply("response_headers", headers, remove=[FLAGS], buffer_body=buffer)
+        )
+        self.answered = True
 
-    def ended_by_envoy(self) -> bool:
-        """In headers mode, a reset of the stream once the answer's headers went on is how
-        Envoy may end the exchange (gRPC cancels the handler before its context says so):
-        the answer's end, not a failure."""
-        return not self.sees_body and self.answered
+    async def error(self, answer: UpstreamResponse, headers: Mapping[str, str]) -> None:
+        """An answer of 400 or more, read whole first: a 5xx raises (busy or failed; the body
+        left awaiting kvgate's error as its answer), a 4xx goes on in OpenAI's shape."""
+        if self.ended:  # no body: the headers await their answer
+            judge_whole(answer, b"")
+            await self.answer_headers(headers)
+            self.finished = True
+            return
+        await self.answer_headers(headers, buffer=True)
+        message = await self.stream.next()
+        if message is None or message.WhichOneof("request") != "response_body":
+            raise UpstreamError(f"Envoy sent no body for replica {answer.request.replica.id}'s "
+                                f"{answer.status}")
+        error = judge_whole(answer, bytes(message.response_body.body))
+        body = orjson.dumps(error)
+        await self.stream.answer(
+            body_reply("response_body", body, set_headers={"content-length": str(len(body))})
+        )
+        self.ended = self.finished = True
 
     async def readany(self) -> bytes:
-        """The answer's next body chunk (b"" at its end); the one before goes on, as changed."""
-        await self.answer_chunk()
+        """The answer's next body chunk (b"" at its end); the one before goes on, as changed.
+        The last stays awaiting its answer (a flush may still add to it) until `aclose`."""
         if self.ended:
             return b""
+        await self.answer_chunk()
         message = await self.stream.next()
         if message is None:
             self.ended = True
@@ -185,25 +216,15 @@ class EnvoyRequest:
             await self.write(chunk)
         return b"".join(parts)
 
-    async def buffered(self) -> bytes:
-        """The body Envoy buffered whole, left awaiting its answer (kvgate's error)."""
-        if self.ended:
-            return b""
-        message = await self.stream.next()
-        if message is None or message.WhichOneof("request") != "response_body":
-            return b""
-        return bytes(message.response_body.body)
-
     async def write(self, data: bytes) -> None:
         """Send `data` on in place of the chunk read last."""
         assert self.out is not None, "no body chunk awaits its answer"
         self.out.append(data)
 
     async def relay(self, outcome: Outcome, data: bytes) -> None:
-        """A stream's events on their way to the client: the last says it has it all."""
+        """A stream's events on their way to the client."""
         await self.write(data)
-        if data.endswith(DONE):
-            outcome.done = True
+        wrote(outcome, data)
 
     async def answer_chunk(self) -> None:
         """The body chunk read last goes on, as written (unchanged where it is the same)."""
@@ -215,4 +236,7 @@ class EnvoyRequest:
         )
 
     async def aclose(self) -> None:
+        """The last chunk goes on: the whole answer is then Envoy's to deliver."""
+        if self.ended and self.out is not None and not self.gave_up:
+            self.finished = True
         await self.answer_chunk()

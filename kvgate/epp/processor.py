@@ -6,18 +6,21 @@ path of proxy mode (`Gateway.run`) with the Envoy data plane (`kvgate.epp.plane`
     request headers   go on, less the headers only the picker may set
     request body      read whole → parse & validate, identify, normalize, count, bound, charge,
                       route, admit (the stream waits in the fair queue) → the pick
-    response headers  kvgate's headers added; a 5xx read whole first
+    response headers  kvgate's headers added; 400 or more read whole first
     response body     passed on chunk by chunk, its tokens and usage followed → settle
 
-A refusal (400, 401, 403, 404, 413, 429 with Retry-After, 503) is Envoy's `ImmediateResponse`
-in OpenAI's shape: nothing is forwarded. A stream Envoy resets (the client left) cancels the
-request path, which releases everything as in proxy mode. Any other request (health checks,
-`/v1/models`) passes through unchanged: Envoy's fallback balancer routes it.
+A refusal (400, 401, 403, 404, 405, 413, 429 with Retry-After, 503) is Envoy's
+`ImmediateResponse` in OpenAI's shape: nothing is forwarded. `GET /v1/models` is answered as
+kvgate's own port answers it; any other path is a 404, as there. A stream Envoy resets before
+the answer is over (the client left) cancels the request path, which releases everything as
+in proxy mode; a reset once the whole answer went on is Envoy closing the exchange, and the
+request path finishes its books first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -27,18 +30,27 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvgate.api.routes import record
+from kvgate.api.routes import model_list, record, refused
 from kvgate.epp.plane import EnvoyRequest
 from kvgate.epp.stream import (
     SYSTEM_OWNED,
     EnvoyStream,
+    header_pairs,
     headers_of,
     headers_reply,
     immediate,
+    immediate_json,
     source_address,
     subset_of,
+    unchanged,
 )
-from kvgate.errors import KvgateError, PayloadTooLarge, ServerError
+from kvgate.errors import (
+    KvgateError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServerError,
+)
 from kvgate.exchange import Exchange
 from kvgate.gateway import Gateway
 from kvgate.request.info import RequestInfo, request_info
@@ -48,7 +60,8 @@ from kvgate.transport.plane import Plane
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {("POST", e.value): e for e in Endpoint}
+ENDPOINTS = {e.value: e for e in Endpoint}
+MODELS = "/v1/models"
 # How Envoy may send the answer's body: through kvgate chunk by chunk (or whole), or not at all.
 BODY_MODES = {ProcessingMode.STREAMED, ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL,
               ProcessingMode.NONE}  # fmt: skip
@@ -56,10 +69,16 @@ BODY_MODES = {ProcessingMode.STREAMED, ProcessingMode.BUFFERED, ProcessingMode.B
 
 def body_mode(first: ProcessingRequest) -> int:
     """The answer's body mode Envoy says it will use (its first message's protocol_config;
-    an Envoy that does not say: STREAMED, as kvgate's Envoy config sets it)."""
+    an Envoy that does not say: STREAMED, as kvgate's Envoy config sets it). The request's
+    body must come buffered whole: kvgate picks before anything is sent on."""
     if not first.HasField("protocol_config"):
         return int(ProcessingMode.STREAMED)
-    mode = int(first.protocol_config.response_body_mode)
+    config = first.protocol_config
+    if config.request_body_mode != ProcessingMode.BUFFERED:
+        name = ProcessingMode.BodySendMode.Name(config.request_body_mode)
+        raise ServerError(f"Envoy's request_body_mode is {name}: kvgate needs BUFFERED, so that "
+                          "it picks before anything is sent on")
+    mode = int(config.response_body_mode)
     if mode not in BODY_MODES:
         raise ServerError(
             f"Envoy's response_body_mode {ProcessingMode.BodySendMode.Name(mode)} is not one "
@@ -76,61 +95,101 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> None:
         stream = EnvoyStream(context)
+        try:
+            await self.exchange(stream, context)
+        finally:
+            await stream.close()
+
+    async def exchange(self, stream: EnvoyStream, context: grpc.aio.ServicerContext) -> None:
         first = await stream.next()
         if first is None:
             return
-        headers = (
-            headers_of(first.request_headers.headers)
-            if first.WhichOneof("request") == "request_headers" else {}
-        )
-        path = headers.get(":path", "").partition("?")[0]
-        endpoint = ENDPOINTS.get((headers.get(":method", ""), path))
-        if endpoint is None:  # not an OpenAI request kvgate decides on
-            await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
+        if first.WhichOneof("request") != "request_headers":  # not a filter kvgate knows
+            await stream.answer(unchanged(first))
             await stream.pass_through()
             return
+        headers = headers_of(first.request_headers.headers)
+        path = headers.get(":path", "").partition("?")[0]
+        method = headers.get(":method", "")
         client = CIMultiDictProxy(CIMultiDict(
-            (name, value) for name, value in headers.items() if not name.startswith(":")
+            (name, value) for name, value in header_pairs(first.request_headers.headers)
+            if not name.startswith(":")
         ))
         info = request_info(client)
-        envoy: EnvoyRequest | None = None
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is None or method != "POST":
+            await self.not_a_request(stream, info, method, path, endpoint is not None)
+            return
+        envoy: list[EnvoyRequest] = []  # the request's Envoy plane, once there is one
+        work = asyncio.ensure_future(self.decide(stream, first, client, info, endpoint, envoy))
         try:
-            await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
-            x = Exchange(self.gateway.runtime, info, endpoint, client)
-            x.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
-            sees_body = body_mode(first) != ProcessingMode.NONE
-            envoy = EnvoyRequest(stream, client, x.raw, sees_body=sees_body)
-            plane = Plane(
-                BreakerTransport(envoy, self.gateway.breakers), envoy.deliver,
-                retries=False, subset=subset_of(first), sees_body=sees_body,
-            )
-            await self.gateway.run(x, source_address(first), plane)
-        except asyncio.CancelledError:  # Envoy reset the stream: the client left
-            if envoy is not None and envoy.ended_by_envoy():  # or, in headers mode, the end
-                record(self.gateway, info, "ok", 200)
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if envoy and envoy[0].finished:  # the whole answer went on: Envoy's close
+                await work  # the request path finishes its books
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()
                 return
-            record(self.gateway, info, "ok" if info.delivered else "disconnected", 499)
+            work.cancel()  # the client left: the request path ends, and releases everything
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
             raise
-        except KvgateError as exc:
-            self.refused(info, exc)
-            await stream.answer_if_pending(immediate(exc, info.request_id))
-        except Exception:
-            log.exception("unhandled error processing %s", path)
-            error = ServerError("kvgate failed to handle this request; see its logs")
-            self.refused(info, error)
-            await stream.answer_if_pending(immediate(error, info.request_id))
-        else:
-            record(self.gateway, info, "disconnected" if info.disconnected else "ok", 200)
-        if envoy is not None and envoy.gave_up:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "kvgate gave up on the answer")
+        if envoy and (envoy[0].gave_up or (
+            envoy[0].picked and not envoy[0].finished and stream.pending is None
+        )):  # kvgate stopped following an answer under way: Envoy must end it
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "kvgate ended the exchange")
         await stream.pass_through()
 
+    async def decide(
+        self, stream: EnvoyStream, first: ProcessingRequest, client: CIMultiDictProxy[str],
+        info: RequestInfo, endpoint: Endpoint, envoy: list[EnvoyRequest],
+    ) -> None:
+        """The request path for one OpenAI request, recorded by how it ended."""
+        try:
+            await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
+            x = Exchange(self.gateway.runtime, info, endpoint, client)
+            sees_body = body_mode(first) != ProcessingMode.NONE
+            x.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
+            envoy.append(EnvoyRequest(stream, client, x.raw, sees_body=sees_body))
+            plane = Plane(
+                BreakerTransport(envoy[0], self.gateway.breakers), envoy[0].deliver,
+                retries=False, subset=subset_of(first), sees_body=sees_body,
+            )
+            await self.gateway.run(x, source_address(first), plane)
+        except asyncio.CancelledError:  # Envoy reset the stream: the client left
+            record(self.gateway, info, "ok" if info.delivered else "disconnected", 499)
+            raise
+        except Exception as exc:
+            if not isinstance(exc, KvgateError):
+                log.exception("unhandled error processing %s", endpoint.value)
+            error = exc if isinstance(exc, KvgateError) else ServerError(
+                "kvgate failed to handle this request; see its logs"
+            )
+            refused(self.gateway, info, error)
+            if await stream.answer_if_pending(immediate(error, info.request_id)) and envoy:
+                envoy[0].finished = True  # the client has kvgate's answer instead
+        else:
+            record(self.gateway, info, "disconnected" if info.disconnected else "ok", 200)
+
+    async def not_a_request(
+        self, stream: EnvoyStream, info: RequestInfo, method: str, path: str, known: bool
+    ) -> None:
+        """What kvgate's own port answers for it: its model list, a 405 or a 404."""
+        if method == "GET" and path == MODELS:
+            await stream.answer(immediate_json(
+                200, model_list(self.gateway), {"x-request-id": info.request_id}, "kvgate_models"
+            ))
+            return
+        error: KvgateError = (
+            MethodNotAllowed("method not allowed here; use POST", headers={"Allow": "POST"})
+            if known else NotFound("no such endpoint", code="unknown_url")
+        )
+        await stream.answer(immediate(error, info.request_id))
+
     async def body(self, stream: EnvoyStream, first: ProcessingRequest, limit: int) -> bytes:
-        """The request's whole body, in the one message Envoy buffers it in (its
-        `request_body_mode: BUFFERED`); left awaiting its answer, the pick."""
+        """The request's whole body, in the one message Envoy buffers it in; left awaiting
+        its answer, the pick."""
         if first.request_headers.end_of_stream:
             return b""
         message = await stream.next()
@@ -143,8 +202,3 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         if len(body) > limit:
             raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
         return body
-
-    def refused(self, info: RequestInfo, error: KvgateError) -> None:
-        outcome = "refused" if error.status < 500 else "upstream_error"
-        record(self.gateway, info, outcome, error.status, error.refusal_reason)
-        self.gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()

@@ -33,7 +33,9 @@ class EppServer:
         self.watch: asyncio.Task[None] | None = None
         self.server = grpc.aio.server(options=[
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            # a request body in one message, with its headers around it
+            ("grpc.max_receive_message_length", gateway.runtime.config.server.max_body_bytes
+             + (1 << 20)),
         ])
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             Processor(gateway), self.server

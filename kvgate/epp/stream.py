@@ -6,11 +6,13 @@ says, the request headers, the request body, the response headers and the respon
 chunks; it waits for the answer to each before it goes on. `EnvoyStream` keeps the message
 awaiting its answer (`pending`), so that whatever ends the request path knows whether it can
 still answer with an `ImmediateResponse` (an error in OpenAI's shape) and answers it exactly
-once.
+once. One task reads the stream into a queue: a wait that times out never cancels a gRPC
+read (grpc.aio would take the next read's failure for the stream's end).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping
@@ -55,16 +57,44 @@ class EnvoyStream:
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.context = context
         self.pending: ProcessingRequest | None = None  # the message awaiting its answer
+        self.messages: asyncio.Queue[ProcessingRequest | BaseException | None] = asyncio.Queue()
+        self.reader: asyncio.Task[None] | None = None
+        self.closed = False  # Envoy closed its side
 
     async def next(self) -> ProcessingRequest | None:
         """Envoy's next message (the one before it answered); None once Envoy closed its side."""
         assert self.pending is None, "answer a message before reading the next"
-        message = await self.context.read()
-        if message is grpc.aio.EOF:
+        if self.closed:
             return None
-        assert isinstance(message, ProcessingRequest)
+        if self.reader is None:
+            self.reader = asyncio.create_task(self._read())
+        message = await self.messages.get()
+        if isinstance(message, BaseException):
+            raise message
+        if message is None:
+            self.closed = True
+            return None
         self.pending = message
         return message
+
+    async def _read(self) -> None:
+        """Every message into the queue, then how the stream ended: None (closed, or this
+        reader stopped), or the error that ended it."""
+        end: BaseException | None = None
+        try:
+            while (message := await self.context.read()) is not grpc.aio.EOF:
+                self.messages.put_nowait(message)
+        except Exception as exc:  # the RPC failed or was reset
+            end = exc
+        finally:
+            self.messages.put_nowait(end)
+
+    async def close(self) -> None:
+        """The exchange is over: stop reading."""
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.reader
 
     async def answer(self, response: ProcessingResponse) -> None:
         """Answer the pending message."""
@@ -72,12 +102,15 @@ class EnvoyStream:
         self.pending = None
         await self.context.write(response)
 
-    async def answer_if_pending(self, response: ProcessingResponse) -> None:
-        """Answer the pending message, if any, unless the stream is over (Envoy reset it)."""
+    async def answer_if_pending(self, response: ProcessingResponse) -> bool:
+        """Answer the pending message, if any, unless the stream is over (Envoy reset it);
+        whether it was answered."""
         if self.pending is None or self.context.done():
-            return
+            return False
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError):
             await self.answer(response)
+            return True
+        return False
 
     async def pass_through(self) -> None:
         """Answer everything Envoy still sends with "go on, unchanged", until it closes."""
@@ -85,13 +118,20 @@ class EnvoyStream:
             await self.answer(unchanged(message))
 
 
+def header_pairs(headers: HeaderMap) -> list[tuple[str, str]]:
+    """Envoy's header map as (lower-case name, value) pairs, repeated names kept in order."""
+    return [
+        (h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value)
+        for h in headers.headers
+    ]
+
+
 def headers_of(headers: HeaderMap) -> dict[str, str]:
-    """Envoy's header map as a dict of lower-case names (Envoy sends them lower-case; a name
-    that repeats keeps its last value, as a client's duplicated header would in aiohttp)."""
+    """Envoy's header map as a dict: a name that repeats keeps its first value, as aiohttp's
+    `headers.get` reads a client's duplicated header."""
     out: dict[str, str] = {}
-    for header in headers.headers:
-        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
-        out[header.key.lower()] = value
+    for name, value in header_pairs(headers):
+        out.setdefault(name, value)
     return out
 
 
@@ -157,13 +197,22 @@ def body_reply(
 
 def immediate(error: KvgateError, request_id: str) -> ProcessingResponse:
     """Envoy answers the client with `error` in OpenAI's shape, and sends nothing on."""
-    headers = {**error.headers, "content-type": "application/json", "x-request-id": request_id}
+    headers = {**error.headers, "x-request-id": request_id}
     headers.pop("Connection", None)  # Envoy owns the client's connection
+    return immediate_json(error.status, error.body(), headers, f"kvgate_{error.refusal_reason}")
+
+
+def immediate_json(
+    status: int, body: object, headers: Mapping[str, str], details: str
+) -> ProcessingResponse:
+    """Envoy answers the client with this JSON body itself."""
     return ProcessingResponse(immediate_response=ImmediateResponse(
-        status=HttpStatus(code=error.status),
-        headers=HeaderMutation(set_headers=header_options(headers)),
-        body=orjson.dumps(error.body()),
-        details=f"kvgate_{error.refusal_reason}",
+        status=HttpStatus(code=status),
+        headers=HeaderMutation(set_headers=header_options(
+            {**headers, "content-type": "application/json"}
+        )),
+        body=orjson.dumps(body),
+        details=details,
     ))
 
 

@@ -281,6 +281,11 @@ async def _write(response: web.StreamResponse, outcome: Outcome, data: bytes) ->
     except ConnectionResetError:
         outcome.client_disconnected = True
         raise
+    wrote(outcome, data)
+
+
+def wrote(outcome: Outcome, data: bytes) -> None:
+    """`data` went to the client: if it ends the stream, the client has the whole answer."""
     if data.endswith(DONE):
         outcome.done = True
 

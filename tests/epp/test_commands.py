@@ -65,7 +65,8 @@ async def test_envoy_config_writes_what_envoy_runs_in_front_of_kvgate(
         "filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     ext_proc = filters[0]["typed_config"]
     assert ext_proc["processing_mode"]["response_body_mode"] == "NONE"
-    assert ext_proc["message_timeout"] == "65s"  # max_wait_s 60 + 5: the pick may queue
+    # the pick may wait for its session's replica (0.25 s) and in the queue (60 s)
+    assert ext_proc["message_timeout"] == "65.25s"
     process = await asyncio.create_subprocess_exec(
         envoy_bin, "-c", str(envoy_yaml), "--base-id", str(listen), "-l", "error",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,

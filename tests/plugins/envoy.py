@@ -95,6 +95,9 @@ async def envoy_factory(envoy_bin: str, tmp_path: Path) -> AsyncIterator[EnvoyFa
         """Envoy in front of `replicas` (sim replicas or host:port), asking `gw`'s picker (or
         the picker at host:port); `options`: more of `bootstrap`'s."""
         picker = gw if isinstance(gw, str) else picker_of(gw).address
+        if not isinstance(gw, str):  # Envoy enforces the gateway's upstream timeouts
+            timeouts = gw.gateway.runtime.config.timeouts
+            options = {"total_s": timeouts.total_s, "idle_s": timeouts.idle_s, **options}
         listen, admin = free_port(), free_port()
         addresses = [r if isinstance(r, str) else r.url.removeprefix("http://") for r in replicas]
         config = bootstrap(
