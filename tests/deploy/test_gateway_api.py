@@ -173,6 +173,20 @@ def test_the_pool_is_the_pods_kvgate_discovers_and_the_route_goes_to_it():
                        "name": "vllm"}
 
 
+def test_only_the_gateway_reaches_the_pickers_grpc_port():
+    policy = one("NetworkPolicy", "kvgate-epp")["spec"]
+    pods = one("Deployment", "kvgate-epp")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pods.items()
+    grpc_rule = next(r for r in policy["ingress"] if "from" in r)
+    assert [p["port"] for p in grpc_rule["ports"]] == [picker_config().server.epp.port]
+    gateway = one("HTTPRoute", "vllm")["spec"]["parentRefs"][0]["name"]
+    (source,) = grpc_rule["from"]
+    assert source["podSelector"]["matchLabels"] == {
+        "gateway.networking.k8s.io/gateway-name": gateway}
+    others = [r for r in policy["ingress"] if "from" not in r]
+    assert [p["port"] for r in others for p in r["ports"]] == [picker_config().server.port]
+
+
 def test_the_picker_is_probed_where_kvgate_answers_and_drains_before_its_kill():
     container = picker()
     assert container["livenessProbe"]["grpc"]["service"] in SERVICES
