@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -72,6 +73,12 @@ class EppServer:
                 await self.watch
         await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
         await self.server.stop(grace_s)
+        # grpc.aio shuts its machinery down (joining its poller thread) when its last server
+        # goes, and that server sits in reference cycles: collected later, the shutdown would
+        # run on whatever loop then runs (another app's, in one test process) and fail. Now,
+        # on this loop, while it still runs.
+        del self.server
+        gc.collect()
 
 
 def _status(ok: bool) -> int:

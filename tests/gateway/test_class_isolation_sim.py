@@ -31,7 +31,12 @@ def config(sim_url: str, headroom: float) -> Any:
         auth={"mode": "api_key"},
         tenants=[{"name": "bulk", "api_key_sha256": [sha("sk-bulk")], "priority": "sheddable"},
                  {"name": "vip", "api_key_sha256": [sha("sk-vip")], "priority": "critical"}],
+        # max_replica_waiting: the hold on a replica whose own vLLM queue is long holds every
+        # class alike (tests/admission/test_admission.py); on a loaded machine the burst can
+        # leave the simulator a queue for a scrape or two, and the critical request would wait
+        # for that, not for blocks. Here only the ledger's headroom decides.
         admission={"critical_headroom": headroom, "prediction": {"rule": RULE},
+                   "max_replica_waiting": 10_000,
                    "queue": {"max_wait_s": 120, "wait_budget_s": {"sheddable": 120}}},
     )
 

@@ -55,6 +55,10 @@ ALLOWED: list[tuple[str, set[str]]] = [
     # packages' metadata (os.stat of every sys.path entry): kvgate's RedisStore could pass
     # the pool lib_version to skip it.
     ("redis/utils.py", {"get_lib_version"}),
+    # The endpoint picker's gRPC server, stopping with its app: grpc.aio joins its poller
+    # thread then (a fraction of a second, once, when the app stops), and must do it on the
+    # loop it runs on (kvgate/epp/server.py, `stop`).
+    ("kvgate/epp/server.py", {"stop"}),
 ]
 
 
