@@ -62,6 +62,8 @@ class StubUpstream:
     raw_body: bytes | None = None
     set_cookie: str | None = None  # a Set-Cookie header on every answer
     one_write: bool = False  # a stream's events all in one write (the proxy reads them at once)
+    # a stream ends on `data: [DONE]` with no blank line after it (an event left unterminated)
+    unterminated_end: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     cancelled: int = 0
@@ -212,7 +214,7 @@ class StubUpstream:
                     await asyncio.sleep(self.idle_after_first_chunk_s)
             if (body.get("stream_options") or {}).get("include_usage"):
                 await send(self._usage_event(prompt_tokens, n))
-            await send(DONE)
+            await send(DONE.rstrip(b"\n") if self.unterminated_end else DONE)
             if held:
                 await response.write(b"".join(held))
             await response.write_eof()

@@ -399,3 +399,25 @@ async def test_envoys_timeouts_are_kvgates_and_end_in_openais_shape(
                 await resp.read()  # Envoy ends the stalled stream after idle_s
     for gw in (gw_slow, gw_stalls):
         await wait_released(gw)
+
+
+@pytest.mark.parametrize("usage", [True, False])
+async def test_a_stream_that_ends_on_an_unterminated_event_reaches_the_client_whole(
+    usage, stub_factory, gateway_factory, envoy_factory
+):
+    stub = await stub_factory(unterminated_end=True, chunks=4)
+    gw = await gateway_factory(epp_config([stub.url]))
+    envoy = await envoy_factory(gw, [stub])
+    options = {"stream_options": {"include_usage": True}} if usage else {}
+    answers = {}
+    async with aiohttp.ClientSession() as http:
+        for name, url in (("kvgate", gw.url), ("envoy", envoy.url)):
+            status, _, raw = await post(http, url, bodies.chat(max_tokens=4, stream=True, **options))
+            assert status == 200
+            answers[name] = raw
+    # the last event goes on as it came, after every token; the usage only where asked
+    assert answers["envoy"].rstrip(b"\n").endswith(b"data: [DONE]")
+    assert answers["envoy"].count(b'"content":"tok') == 4
+    assert (b'"usage"' in answers["envoy"]) is usage
+    assert answers["envoy"].rstrip(b"\n") == answers["kvgate"].rstrip(b"\n")
+    await wait_released(gw)
