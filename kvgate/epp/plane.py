@@ -55,16 +55,15 @@ ENVOY_OWNED = frozenset({"host", "content-length", "transfer-encoding"})
 
 class EnvoyRequest:
     """One request's side of Envoy: its `send` is the plane's transport, `deliver` its relay.
-    `sees_body`: Envoy sends the answer's body through kvgate (its response_body_mode
-    STREAMED); else (NONE, headers mode) only the answer's headers and then its end."""
+    Made when the request's headers came; its body and body mode are set once they are read."""
 
-    def __init__(
-        self, stream: EnvoyStream, incoming: Mapping[str, str], raw: bytes, *, sees_body: bool
-    ) -> None:
+    def __init__(self, stream: EnvoyStream, incoming: Mapping[str, str]) -> None:
         self.stream = stream
-        self.sees_body = sees_body
         self.incoming = incoming  # the client's headers, as Envoy has them
-        self.raw = raw  # the client's body, as Envoy buffered it
+        self.raw = b""  # the client's body, as Envoy buffered it
+        # Envoy sends the answer's body through kvgate (its response_body_mode STREAMED); else
+        # (NONE, headers mode) only the answer's headers and then its end
+        self.sees_body = True
         self.out: list[bytes] | None = None  # what goes on for the body chunk awaiting its answer
         self.chunk = b""  # that chunk, as it came
         self.ended = False  # the answer's last chunk came

@@ -36,7 +36,6 @@ from kvgate.epp.stream import (
     SYSTEM_OWNED,
     EnvoyStream,
     header_pairs,
-    headers_of,
     headers_reply,
     immediate,
     immediate_json,
@@ -108,24 +107,24 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             await stream.answer(unchanged(first))
             await stream.pass_through()
             return
-        headers = headers_of(first.request_headers.headers)
-        path = headers.get(":path", "").partition("?")[0]
-        method = headers.get(":method", "")
+        pairs = header_pairs(first.request_headers.headers)
+        pseudo = {name: value for name, value in reversed(pairs) if name.startswith(":")}
+        path = pseudo.get(":path", "").partition("?")[0]
+        method = pseudo.get(":method", "")
         client = CIMultiDictProxy(CIMultiDict(
-            (name, value) for name, value in header_pairs(first.request_headers.headers)
-            if not name.startswith(":")
+            (name, value) for name, value in pairs if not name.startswith(":")
         ))
         info = request_info(client)
         endpoint = ENDPOINTS.get(path)
         if endpoint is None or method != "POST":
             await self.not_a_request(stream, info, method, path, endpoint is not None)
             return
-        envoy: list[EnvoyRequest] = []  # the request's Envoy plane, once there is one
-        work = asyncio.ensure_future(self.decide(stream, first, client, info, endpoint, envoy))
+        envoy = EnvoyRequest(stream, client)
+        work = asyncio.ensure_future(self.decide(stream, first, info, endpoint, envoy))
         try:
             await asyncio.shield(work)
         except asyncio.CancelledError:
-            if envoy and envoy[0].finished:  # the whole answer went on: Envoy's close
+            if envoy.finished:  # the whole answer went on: Envoy's close
                 await work  # the request path finishes its books
                 task = asyncio.current_task()
                 if task is not None:
@@ -135,26 +134,24 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             raise
-        if envoy and (envoy[0].gave_up or (
-            envoy[0].picked and not envoy[0].finished and stream.pending is None
-        )):  # kvgate stopped following an answer under way: Envoy must end it
+        if envoy.gave_up or (envoy.picked and not envoy.finished and stream.pending is None):
+            # kvgate stopped following an answer under way: Envoy must end it
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "kvgate ended the exchange")
         await stream.pass_through()
 
     async def decide(
-        self, stream: EnvoyStream, first: ProcessingRequest, client: CIMultiDictProxy[str],
-        info: RequestInfo, endpoint: Endpoint, envoy: list[EnvoyRequest],
+        self, stream: EnvoyStream, first: ProcessingRequest, info: RequestInfo,
+        endpoint: Endpoint, envoy: EnvoyRequest,
     ) -> None:
         """The request path for one OpenAI request, recorded by how it ended."""
         try:
             await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
-            x = Exchange(self.gateway.runtime, info, endpoint, client)
-            sees_body = body_mode(first) != ProcessingMode.NONE
-            x.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
-            envoy.append(EnvoyRequest(stream, client, x.raw, sees_body=sees_body))
+            x = Exchange(self.gateway.runtime, info, endpoint, envoy.incoming)
+            envoy.sees_body = body_mode(first) != ProcessingMode.NONE
+            x.raw = envoy.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
             plane = Plane(
-                BreakerTransport(envoy[0], self.gateway.breakers), envoy[0].deliver,
-                retries=False, subset=subset_of(first), sees_body=sees_body,
+                BreakerTransport(envoy, self.gateway.breakers), envoy.deliver,
+                retries=False, subset=subset_of(first), sees_body=envoy.sees_body,
             )
             await self.gateway.run(x, source_address(first), plane)
         except asyncio.CancelledError:  # Envoy reset the stream: the client left
@@ -167,8 +164,8 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
                 "kvgate failed to handle this request; see its logs"
             )
             refused(self.gateway, info, error)
-            if await stream.answer_if_pending(immediate(error, info.request_id)) and envoy:
-                envoy[0].finished = True  # the client has kvgate's answer instead
+            if await stream.answer_if_pending(immediate(error, info.request_id)):
+                envoy.finished = True  # the client has kvgate's answer instead
         else:
             record(self.gateway, info, "disconnected" if info.disconnected else "ok", 200)
 
