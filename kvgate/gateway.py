@@ -9,10 +9,10 @@
 
 `run` is that diagram: each step a call of a stage that reads and fills the request's
 `Exchange` record, whichever data plane serves the request (`Plane`: kvgate's own HTTP proxy,
-`handle`; or Envoy, with kvgate as its endpoint picker, `kvgate.epp`). Each resource is held by an `async with`, so every ending — completion,
-upstream error, timeout, client disconnect, cancellation — releases it exactly once. Every
-stage reads the request's own config snapshot, `x.rt` (`kvgate.runtime`), taken when the
-request starts.
+`handle`; or Envoy, with kvgate as its endpoint picker, `kvgate.epp`). Each resource is held
+by an `async with`, so every ending — completion, upstream error, timeout, client
+disconnect, cancellation — releases it exactly once. Every stage reads the request's own
+config snapshot, `x.rt` (`kvgate.runtime`), taken when the request starts.
 """
 
 from __future__ import annotations
