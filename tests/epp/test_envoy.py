@@ -361,22 +361,27 @@ async def test_a_replicas_errors_reach_the_client_in_openais_shape(
     old_shape = b'{"object": "error", "message": "bad thing", "type": "BadRequestError", "param": null, "code": 400}'
     bad = await stub_factory(status=400, error_body=old_shape)
     broken = await stub_factory(status=500)
-    gw = await gateway_factory(epp_config(
-        [bad.url, broken.url], routing={"circuit": {"failure_threshold": 1, "open_s": 60}},
-        discovery={"interval_s": 60, "timeout_s": 1.0},
-    ))
-    envoy = await envoy_factory(gw, [bad, broken], response_body=mode)
-    async with aiohttp.ClientSession() as http:
-        answers = [await post(http, envoy.url, bodies.chat(f"q{i}")) for i in range(6)]
-    by_status = {status: (headers, raw) for status, headers, raw in answers}
+    by_status = {}
+    gateways = []
+    for stub in (bad, broken):  # a gateway each: where a request goes is not the question
+        gw = await gateway_factory(epp_config(
+            [stub.url], routing={"circuit": {"failure_threshold": 1, "open_s": 60}},
+            discovery={"interval_s": 60, "timeout_s": 1.0},
+        ))
+        envoy = await envoy_factory(gw, [stub], response_body=mode)
+        async with aiohttp.ClientSession() as http:
+            status, headers, raw = await post(http, envoy.url, bodies.chat())
+        by_status[status] = (headers, raw)
+        gateways.append(gw)
     headers, raw = by_status[400]  # vLLM's older error shape, as OpenAI's: as the proxy says it
     assert openai_error(raw) == {"message": "bad thing", "type": "BadRequestError",
                                  "param": None, "code": 400}
     assert headers["x-kvgate-replica"] == address(bad)
     headers, raw = by_status[502]  # a replica's 500 is kvgate's 502, and opens its circuit
     assert openai_error(raw)["code"] == "upstream_error"
-    assert gw.gateway.breakers.state(address(broken)) == "open"
-    await wait_released(gw)
+    assert gateways[1].gateway.breakers.state(address(broken)) == "open"
+    for gw in gateways:
+        await wait_released(gw)
 
 
 async def test_envoys_timeouts_are_kvgates_and_end_in_openais_shape(
