@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleetbench import fleet, workloads
-from fleetbench.capacity import SAMPLE_DURATION_S, SAMPLE_RATE, sim_config
+from fleetbench.capacity import SAMPLE_DURATION_S, SAMPLE_RATE, first_token_s, sim_config
 
 from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.engine import Engine
@@ -31,17 +31,8 @@ from kvgate.tools.workload import WorkItem
 def alone_ttft(engine: Engine, item: WorkItem, n: int, encoder: PromptEncoder) -> float:
     """Simulated seconds from submitting `item` to an idle `engine` to its first token."""
     prompt = encoder.encode_chat(item.body["messages"])
-    engine.add_request(f"r{n}", prompt, item.body.get("max_tokens"), 0.0,
-                       output_len=output_tokens(item.headers))  # fmt: skip
-    now = 0.0
-    while True:
-        result = engine.step(now)
-        now = result.end_time
-        if result.outputs:
-            engine.abort(f"r{n}", now)
-            while engine.has_unfinished_requests():  # let the abort land
-                now = engine.step(now).end_time
-            return now
+    return first_token_s(engine, f"r{n}", prompt, item.body.get("max_tokens"),
+                         output_tokens(item.headers))
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -15,6 +15,7 @@ first pool saturates:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +108,30 @@ def saturated_throughput(replica: Replica, items: list[WorkItem], encoder: Promp
         return float("inf"), float("inf"), engine.stats.num_preemptions
     between = sum(n for t, n in tokens if lo < t <= hi)
     return (last - first) / (hi - lo), between / (hi - lo), engine.stats.num_preemptions
+
+
+
+def first_token_s(engine: Engine, request_id: str, prompt: Sequence[int],
+                  max_tokens: int | None = 1, output_len: int | None = None) -> float:  # fmt: skip
+    """Simulated seconds from handing an idle `engine` a prompt to its first token: its
+    chunked prefill alone. The request is then aborted, so the engine is idle again with its
+    prefix cache kept."""
+    engine.add_request(request_id, prompt, max_tokens, 0.0, output_len=output_len)
+    now = 0.0
+    while True:
+        result = engine.step(now)
+        if result.idle:
+            raise RuntimeError(f"an idle engine did not schedule {request_id}")
+        now = result.end_time
+        if result.outputs:
+            engine.abort(request_id, now)
+            while engine.has_unfinished_requests():  # let the abort land
+                engine.step(now)
+            return now
+
+
+def first_token_floor_s(replica: Replica, prompt_tokens: int) -> float:
+    """`first_token_s` of a prompt of `prompt_tokens` on the replica, its cache empty: no
+    gateway can start a request sooner there, so a TTFT target below it cannot be met
+    whatever the admission."""
+    return first_token_s(Engine(sim_config(replica)), "floor", range(1, prompt_tokens + 1))

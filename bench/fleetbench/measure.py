@@ -17,17 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvgate.tools.workload import WorkItem, run_workload
+from kvgate.tools.workload import Result, WorkItem, run_workload
 
-from . import contenders, fleet, metrics
+from . import capacity, contenders, fleet, metrics
 from .processes import ChildFailed, Children, cpu_seconds, free_port
 from .workloads import Workload
 
@@ -80,6 +82,9 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
                                              spec.workload, spec.time_scale,
                                              f"{spec.run_id}-{id(logs):x}")  # fmt: skip
             ready_s = time.monotonic() - started
+            gateways = ([] if spec.contender.kind != "kvgate" else
+                        sorted({url for urls in running.targets.values() for url in urls}))
+            waits_before = await _queue_waits(http, gateways)
             before = await _scrape(http, replicas)
             cpu_before = _cpu(children)
             results = await run_workload(
@@ -88,6 +93,7 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
                 first_token_timeout_s=spec.ttft_timeout_s * spec.time_scale,
             )  # fmt: skip
             after = await _scrape(http, replicas)
+            waits_after = await _queue_waits(http, gateways)
             cpu_after = _cpu(children)
         except ChildFailed as exc:
             return {**record, "error": str(exc)}
@@ -105,7 +111,10 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
     walls = after["wall"] - before["wall"]
     speed = {name: round((after["sim_time"][name] - before["sim_time"][name]) * spec.time_scale
                          / walls, 3) for name in after["sim_time"]}  # fmt: skip
-    record.update(metrics.figures(sim_results, spec.duration_s, counters))
+    record.update(metrics.figures(sim_results, spec.duration_s, counters, _floor(replicas)))
+    if gateways:
+        record["critical_queued"] = metrics.queued(
+            metrics.increase(waits_before, waits_after), spec.time_scale)
     record["run"] = {
         "requests_sent": len(items), "startup_wall_s": round(ready_s, 2),
         "wall_s": round(elapsed, 2),
@@ -121,6 +130,23 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
     return record
 
 
+def _floor(replicas: list[fleet.Replica]) -> Callable[[Result], float | None]:
+    """A completed request's first-token floor on the pool its kind goes to (the
+    prompt's tokens from its usage; None without them)."""
+    by_pool = {r.pool: r for r in reversed(replicas)}  # each pool's first replica
+
+    @functools.cache
+    def floor_s(pool: str, tokens: int) -> float:
+        return capacity.first_token_floor_s(by_pool[pool], tokens)
+
+    def floor(result: Result) -> float | None:
+        if result.prompt_tokens is None:
+            return None
+        return floor_s("long" if result.kind == "long" else "default", result.prompt_tokens)
+
+    return floor
+
+
 async def _scrape(http: aiohttp.ClientSession, replicas: list[fleet.Replica]) -> dict[str, Any]:
     counters: dict[str, float] = {}
     sim_time: dict[str, float] = {}
@@ -132,6 +158,16 @@ async def _scrape(http: aiohttp.ClientSession, replicas: list[fleet.Replica]) ->
         async with http.get(replica.url + "/sim/state", timeout=timeout) as response:
             sim_time[replica.name] = float((await response.json())["sim_time_s"])
     return {"counters": counters, "sim_time": sim_time, "wall": time.monotonic()}
+
+
+async def _queue_waits(http: aiohttp.ClientSession, gateways: list[str]) -> dict[str, float]:
+    """The critical class's queue-wait buckets, summed over the kvgate instances."""
+    buckets: dict[str, float] = {}
+    for url in gateways:
+        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            for le, n in metrics.parse_queue_waits(await response.text()).items():
+                buckets[le] = buckets.get(le, 0.0) + n
+    return buckets
 
 
 def _cpu(children: Children) -> dict[str, float]:

@@ -11,14 +11,19 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.tools.workload import Result, goodput, percentile
 
 SHORT_TTFT_SLOS_S = (1.0, 2.0)
 LONG_TTFT_SLO_S = 10.0
 CRITICAL_TENANT = "vip"
+# Issue 20's target for the critical class's TTFT p99, judged against what an idle replica
+# allows (`figures`' `floor`).
+CRITICAL_TTFT_TARGET_S = 0.5
 # The replicas' own counters, summed over the fleet.
 COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total",
             "vllm:prefix_cache_queries_total", "vllm:generation_tokens_total")  # fmt: skip
@@ -56,9 +61,11 @@ def latency(values: Iterable[float | None]) -> dict[str, float | int | None]:
     return {"p50": _round(p50), "p99": _round(p99), "n": len(ordered)}
 
 
-def figures(results: list[Result], duration_s: float, counters: dict[str, float]) -> dict[str, Any]:
+def figures(results: list[Result], duration_s: float, counters: dict[str, float],
+            floor: Callable[[Result], float | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Everything reported for one run (results in simulated seconds; `counters` the fleet's
-    increase of COUNTERS over the run)."""
+    increase of COUNTERS over the run; `floor`: a completed request's TTFT on an idle replica,
+    for `critical_floor`)."""
     outcomes: dict[str, Counter[str]] = {"completed": Counter(), "refused": Counter(),
                                          "failed": Counter()}  # fmt: skip
     for r in results:
@@ -93,6 +100,21 @@ def figures(results: list[Result], duration_s: float, counters: dict[str, float]
         "retry_after_s_median": _round(statistics.median(retry_after) if retry_after else None),
         "by_tenant": {tenant: by_tenant(results, tenant, duration_s)
                       for tenant in sorted({r.tenant for r in results})},
+        **({} if floor is None else {"critical_floor": critical_floor(groups["critical"], floor)}),
+    }  # fmt: skip
+
+
+def critical_floor(results: list[Result], floor: Callable[[Result], float | None],
+                   ) -> dict[str, Any]:  # fmt: skip
+    """The completed critical requests' TTFT set against their floor (an idle replica's): the
+    floors' spread, how many are above CRITICAL_TTFT_TARGET_S on their own, and the TTFT each
+    had beyond its floor, the part that waiting (in a gateway or in vLLM) added."""
+    pairs = [(r.ttft_s, f) for r in results
+             if r.status == 200 and r.ttft_s is not None and (f := floor(r)) is not None]
+    return {
+        "floor_s": latency(f for _, f in pairs),
+        "floor_above_target": sum(f > CRITICAL_TTFT_TARGET_S for _, f in pairs),
+        "over_floor_s": latency(max(0.0, t - f) for t, f in pairs),
     }  # fmt: skip
 
 
@@ -121,6 +143,32 @@ def parse_counters(text: str, names: Iterable[str] = COUNTERS) -> dict[str, floa
         if name in wanted:
             sums[name] += float(line.rsplit(" ", 1)[1])
     return sums
+
+
+def parse_queue_waits(text: str, priority: str = "critical") -> dict[str, float]:
+    """kvgate's `kvgate_queue_wait_seconds` buckets for one class, summed over pools: each
+    bucket's upper bound (wall seconds, "+Inf" as is) to how many waited no longer."""
+    buckets: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvgate_queue_wait_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get("priority") == priority:
+                le = sample.labels["le"]
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return buckets
+
+
+def queued(buckets: dict[str, float], time_scale: float,
+           over_s: float = CRITICAL_TTFT_TARGET_S) -> dict[str, Any]:  # fmt: skip
+    """How many of a class queued in kvgate at all, and how many waited there longer than
+    `over_s` simulated seconds: the largest bucket bound within it, reported as it is."""
+    bounds = sorted((float(le), n) for le, n in buckets.items() if le != "+Inf")
+    within = [(le, n) for le, n in bounds if le / time_scale <= over_s]
+    bound, n = within[-1] if within else (0.0, 0.0)
+    total = buckets.get("+Inf", 0.0)
+    return {"queued": int(total), "over_s": _round(bound / time_scale),
+            "over": int(total - n)}
 
 
 def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -72,6 +72,9 @@ COLUMNS: list[tuple[str, tuple[str, ...], str]] = [
     ("TTFT short p50/p99", ("ttft_s", "short"), "pair"),
     ("TTFT long p50/p99", ("ttft_s", "long"), "pair"),
     ("TTFT crit p50/p99", ("ttft_s", "critical"), "pair"),
+    ("crit floor p99", ("critical_floor", "floor_s", "p99"), "{:.2f}"),
+    ("crit over floor p99", ("critical_floor", "over_floor_s", "p99"), "{:.2f}"),
+    ("crit queued", ("critical_queued",), "queued"),
     ("e2e short p50/p99", ("e2e_s", "short"), "pair"),
     ("out tok/s", ("output_tokens_per_s",), "{:.0f}"),
     ("preempt", ("preemptions",), "{}"),
@@ -88,6 +91,8 @@ def cell(row: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
         value = value.get(key) if isinstance(value, dict) else None
     if value is None:
         return "—"
+    if fmt == "queued":
+        return f"{value['queued']} ({value['over']} > {value['over_s']:g} s)"
     if fmt == "pair":
         return "/".join("—" if value.get(q) is None else f"{value[q]:.2f}" for q in ("p50", "p99"))
     if isinstance(value, dict):  # reasons: the total, then each
@@ -128,7 +133,13 @@ def legend() -> str:
         "Counts and latencies are of the requests sent after the warm-up. "
         "done/refused/failed: request counts (refused = 4xx by status and code; failed = 5xx, "
         "dropped, error mid-stream or timeout). Latencies: simulated seconds, completed "
-        "requests; crit = the critical tenant. out tok/s: completed requests' output tokens "
+        "requests; crit = the critical tenant. crit floor: the TTFT an idle replica with an "
+        "empty cache gives each completed critical request (its chunked prefill alone, on the "
+        "same engine; a cached system prompt makes the true floor lower by up to 0.03 s); "
+        "crit over floor: each one's TTFT less its floor, the part waiting added. crit queued: "
+        "critical requests that waited in kvgate's queue at all (warm-up included), and how "
+        "many waited there longer than the largest bucket of its histogram within 0.5 s. "
+        "out tok/s: completed requests' output tokens "
         "per simulated second of the workload. preempt, hit rate: the replicas' own counters "
         "(vllm:num_preemptions_total; vllm:prefix_cache_hits_total / queries), summed over the "
         "fleet, over the whole run (warm-up included). sim speed: the slowest replica's "

@@ -56,6 +56,7 @@ class Result:
     sent_s: float | None = None  # when it was sent, from the start of the run
     output_tokens: int | None = None  # the completion's tokens, from the stream's usage
     retry_after_s: float | None = None  # a refusal's Retry-After
+    prompt_tokens: int | None = None  # the prompt's tokens, from the stream's usage
 
 
 def build_workload(
@@ -155,7 +156,7 @@ async def run_workload(
                                       None, pool, replica, sent - start, None,
                                       _retry_after(response.headers.get("Retry-After")))
                     ttft = None
-                    output_tokens = None
+                    output_tokens = prompt_tokens = None
                     async for line in response.content:
                         if ttft is None and _has_text(line):
                             ttft = time.monotonic() - sent
@@ -165,9 +166,10 @@ async def run_workload(
                         elif b'"usage":{' in line and line.startswith(b"data: {"):
                             usage = orjson.loads(line[6:]).get("usage") or {}
                             output_tokens = usage.get("completion_tokens")
+                            prompt_tokens = usage.get("prompt_tokens")
                     e2e = time.monotonic() - sent
                     return Result(item.kind, item.tenant, 200, ttft, None, e2e, pool, replica,
-                                  sent - start, output_tokens)
+                                  sent - start, output_tokens, prompt_tokens=prompt_tokens)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 return failed(type(exc).__name__, None, None, None)
 

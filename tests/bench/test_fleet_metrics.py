@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from fleetbench import metrics, report
+from fleetbench import capacity, fleet, metrics, report
 
 from kvgate.tools.workload import Result, goodput, within_slo
 
@@ -56,6 +58,48 @@ def test_figures_split_outcomes_by_reason_and_compute_rates():
     assert got["by_tenant"]["chat-app"] == {
         "requests": 10, "completed": 6, "refused": {"429 queue_timeout": 2}, "failed": 2,
         "goodput_per_s": 0.8, "ttft_s": {"p50": 2.5, "p99": 11.0, "n": 6}}
+
+
+def test_the_critical_floor_sets_each_ttft_against_what_an_idle_replica_allows():
+    vip = [dataclasses.replace(result(tenant="vip", ttft=t), prompt_tokens=p)
+           for t, p in ((0.3, 100), (0.9, 4000), (1.2, 600))]
+    vip.append(result(tenant="vip", status=429, ttft=None, code="queue_timeout"))
+    floors = {100: 0.1, 4000: 0.7, 600: 0.2}
+    got = metrics.figures([*vip, result()], 5.0, {}, lambda r: floors[r.prompt_tokens])
+    floor = got["critical_floor"]
+    assert floor["floor_s"]["n"] == 3 and floor["floor_s"]["p99"] == 0.7
+    assert floor["floor_above_target"] == 1  # 0.7 s > 0.5 s on an idle replica
+    assert floor["over_floor_s"] == {"p50": 0.2, "p99": 1.0, "n": 3}  # 0.2, 0.2, 1.0
+    assert "critical_floor" not in metrics.figures(vip, 5.0, {})
+
+
+def test_the_floor_is_the_simulators_own_chunked_prefill_on_an_idle_replica():
+    """step_overhead_s + tokens x prefill_token_s per chunk of max_num_batched_tokens: a prompt
+    of 2,048 tokens is one step on a normal replica, 2,049 two."""
+    normal, *_, long = fleet.replicas(dict.fromkeys(fleet.REPLICAS, 0), 0.25, {})
+    timing = fleet.TIMING
+    one = timing["step_overhead_s"] + 2048 * timing["prefill_token_s"]
+    assert capacity.first_token_floor_s(normal, 2048) == pytest.approx(one)
+    two = 2 * timing["step_overhead_s"] + 2049 * timing["prefill_token_s"]
+    assert capacity.first_token_floor_s(normal, 2049) == pytest.approx(two)
+    assert capacity.first_token_floor_s(long, 2049) < capacity.first_token_floor_s(normal, 2049)
+
+
+def test_the_critical_class_queued_in_kvgate_is_read_from_its_histogram_in_simulated_seconds():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    waits = Histogram("kvgate_queue_wait_seconds", "", ["pool", "priority"],
+                      buckets=(0.05, 0.1, 0.25), registry=registry)
+    for pool, wall_s in (("default", 0.01), ("default", 0.2), ("long", 0.3), ("long", 0.08)):
+        waits.labels(pool, "critical").observe(wall_s)
+    waits.labels("default", "standard").observe(5.0)
+    buckets = metrics.parse_queue_waits(generate_latest(registry).decode())
+    assert buckets == {"0.05": 1.0, "0.1": 2.0, "0.25": 3.0, "+Inf": 4.0}
+    # at time_scale 0.25, 0.5 simulated seconds is 0.125 wall: the 0.1 s bucket, 0.4 s simulated
+    assert metrics.queued(buckets, 0.25) == {"queued": 4, "over_s": 0.4, "over": 2}
+    assert report.cell({"critical_queued": metrics.queued(buckets, 0.25)},
+                       ("critical_queued",), "queued") == "4 (2 > 0.4 s)"
 
 
 def test_outcome_names_every_kind_of_failure():

@@ -11,7 +11,7 @@ import pytest
 RUN_FIELDS = {"workload", "load", "rate_per_s", "contender", "repeat", "requests", "completed",
               "refused", "failed", "ttft_s", "e2e_s", "goodput_per_s", "completed_per_s",
               "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate", "generation_tokens",
-              "retry_after_s_median", "run", "samples"}  # fmt: skip
+              "retry_after_s_median", "run", "samples", "critical_floor"}  # fmt: skip
 
 
 @pytest.mark.timeout(240)
@@ -43,6 +43,9 @@ def test_a_tiny_run_of_two_contenders_writes_every_figure(tmp_path, capsys):
         assert run["goodput_per_s"]["short_ttft_1s"] <= run["goodput_per_s"]["short_ttft_2s"]
         assert set(run["run"]["sim_speed"]) == {"normal-a", "normal-b", "normal-c", "long"}
         assert run["samples"]["short_requests"] >= len(run["samples"]["short_ttft_s"])
+        assert run["critical_floor"]["floor_s"]["n"] == run["ttft_s"]["critical"]["n"]
+        # what kvgate's own histogram says of the critical class; a bare fleet has none
+        assert ("critical_queued" in run) == (run["contender"] == "kvgate-predicted")
     assert {r["contender"] for r in document["results"]} == set(runs)
     summary = (tmp_path / "fleet.md").read_text()
     assert "kvgate-predicted" in summary and "goodput@2s" in summary and "per tenant" in summary
