@@ -10,10 +10,9 @@ Starvation is bounded where no latency target is set. Classes are served in stri
 a sheddable request would otherwise wait as long as standard ones keep taking the room that
 frees. Once PASSES_BEFORE_PROMOTION requests of better classes have been placed in the pool
 while a sheddable request without a target waits, the first such is promoted
-(`FairQueue.promote`): it goes before the standard class's queued requests, so the class
-gets at least one placement in PASSES_BEFORE_PROMOTION + 1 when both wait and room for it
-frees. It holds no replica against them until it has aged, as any request of theirs: a
-barrier held for it at once was measured to cost the standard class more than it gave. The critical class is never passed. A request with a target is never
+(`FairQueue.promote`): it goes before the standard class's queued requests and holds its
+replicas until it fits, so the class gets at least one placement in PASSES_BEFORE_PROMOTION
++ 1 when both wait. The critical class is never passed. A request with a target is never
 promoted: it is let in only if it is expected to make its target, or refused at once.
 """
 
@@ -290,7 +289,9 @@ class PoolQueue:
                 continue
             if queued.rank == rank and room is not None:
                 need = min((waiter.demand.blocks_on(r) for r in queued_candidates), default=0)
-                if need > max(room, own) and not waiter.aged(queued.enqueued_at, now):
+                if need > max(room, own) and not (
+                    queued.promoted or waiter.aged(queued.enqueued_at, now)
+                ):
                     continue
             yield queued
 

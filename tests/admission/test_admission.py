@@ -342,10 +342,9 @@ async def test_a_sheddable_request_with_a_target_keeps_strict_class_order(harnes
 
 
 @pytest.mark.parametrize("harness", [STARVING], indirect=True)
-async def test_a_promoted_request_is_tried_first_but_holds_nothing_until_it_ages(harness):
-    """Promoted, it is tried before the standard class's queued requests; while it does not
-    fit, a smaller standard request still takes the room it cannot use (no barrier: measured
-    to cost the standard class more than it gave), and a critical one is never held."""
+async def test_a_promoted_request_holds_its_replica_against_standard_newcomers(harness):
+    """Promoted, it is the next to get room there: a standard request arriving while it
+    waits queues behind it, however small, and a critical one does not."""
     r = replica("a", blocks=10)
     pool = harness.admission.pool("p")
     async with admit(harness, demand(16 * 8), r):
@@ -355,11 +354,12 @@ async def test_a_promoted_request_is_tried_first_but_holds_nothing_until_it_ages
             pool.took("standard", 1, time.monotonic())
         assert next(iter(pool.queue)).promoted
         small = asyncio.create_task(_admit_and_hold(harness, r, 16, "chat", "standard", hold_s=0))
-        await asyncio.wait_for(small, 5)  # 2 blocks free: too few for the promoted request
+        await eventually(lambda: len(pool.queue) == 2)
+        assert not small.done()  # 2 blocks are free, but they are the promoted request's
         async with admit(harness, demand(16 * 2, "vip", "critical"), r) as vip:
             assert vip.blocks == 2
-        assert not batch.done()
-    await eventually(lambda: harness.admission.reserved.get("a") == 4)  # its turn came
+    await asyncio.wait_for(small, 5)
+    assert not batch.done() and harness.admission.reserved.get("a") == 4  # placed first
     batch.cancel()
     await asyncio.gather(batch, return_exceptions=True)
     assert await harness.held(r) == 0
