@@ -123,7 +123,8 @@ class FairQueue:
 
     def of_class(self, priority: str) -> Iterator[Ticket]:
         """The tickets of one class not promoted, in the order `pop` would serve them."""
-        return self._in_order(self._classes[PRIORITY_CLASSES.index(priority)])
+        rank = PRIORITY_CLASSES.index(priority)
+        return (t for t in self if t.rank == rank and not t.promoted)
 
     def peek(self) -> Ticket | None:
         for cls in self._classes:
@@ -150,16 +151,12 @@ class FairQueue:
     def __iter__(self) -> Iterator[Ticket]:
         """Every ticket in the order `pop` would serve them, without changing anything."""
         for cls in self._classes:
-            yield from self._in_order(cls)
-
-    @staticmethod
-    def _in_order(cls: _Class) -> Iterator[Ticket]:
-        lanes = list(cls.tenants.values())  # read lazily: a caller may stop at the first
-        depth = max((len(lane) for lane in lanes), default=0)
-        for i in range(depth):
-            for lane in lanes:
-                if i < len(lane):
-                    yield lane[i]
+            lanes = [list(tickets) for tickets in cls.tenants.values()]
+            depth = max((len(lane) for lane in lanes), default=0)
+            for i in range(depth):
+                for lane in lanes:
+                    if i < len(lane):
+                        yield lane[i]
 
     def position(self, ticket: Ticket) -> int:
         """How many tickets would be served before this one (its index in service order)."""

@@ -56,11 +56,6 @@ log = logging.getLogger(__name__)
 # at once (this instance's directly, other instances' through the store's release notices);
 # the poll catches what nobody announces, such as a dead instance's leases expiring.
 POLL_INTERVAL_S = 0.1
-# A queued request that a pass need not try on its latest ranking (its replicas are closed to
-# it, or full for its size) is not ranked again for that pass, unless that ranking is older
-# than this: a deep queue then costs a cheap check per request, not a ranking, while a
-# replica that appears or frees elsewhere is still seen within this long.
-RANKING_KEPT_S = 1.0
 
 # Ranks the replicas for one request, given the seconds it has waited so far; called on arrival
 # and again on every placement attempt, so a queued request goes where room appears.
@@ -145,7 +140,10 @@ class Admission:
         pool.arrived(demand, candidates)
         # replicas that requests queued ahead of this one are waiting for are theirs first;
         # any other may take it now (no head-of-line blocking across replicas)
-        waited_for = pool.waited_for(demand, candidates)
+        waited_for = frozenset(
+            replica.id for ahead in pool.ahead_of(demand, candidates)
+            for replica in ahead.payload.candidates
+        )
         slot = await self._try_place(
             demand, ranking, config, self.clock() - started, waited_for
         )
@@ -154,8 +152,7 @@ class Admission:
             target = config.queue.target(demand.priority, tenant_target_s)
             future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
             waiter = Waiter(
-                demand, rank, future, ranking, started, config, target, clock=self.clock,
-                ranked_at=asked,
+                demand, rank, future, ranking, started, config, target, clock=self.clock
             )
             slot = await self._wait(pool, waiter, asked - started)
         self.metrics.admissions.labels(
@@ -310,20 +307,20 @@ class Admission:
                 continue
             try:
                 waited = now - ticket.enqueued_at
+                waiter.ranking = await waiter.rank(waited)
                 closed = frozenset(
                     rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
                 )
-                # ranking is the costly part of a pass: a request that could not be placed on
-                # its last ranking, by what this pass found, is ranked afresh only now and then
-                fresh = now - waiter.ranked_at >= RANKING_KEPT_S
-                if not fresh and _kept_out(waiter, waited, closed, refused) is None:
+                # the barrier it puts up, and what smaller requests may not try after it,
+                # concern only the replicas its ranking lets it use now (a hold: one)
+                usable = [v for v in waiter.ranking.usable(waited) if v.id not in closed]
+                if not usable:
                     continue
-                waiter.ranking = await waiter.rank(waited)
-                waiter.ranked_at = now
-                wants = _kept_out(waiter, waited, closed, refused)
-                if wants is None:
+                ids = frozenset(v.id for v in usable)
+                need = min(demand.blocks_on(v.replica) for v in usable)
+                smallest = refused.get((ids, demand.predicted))
+                if smallest is not None and need >= smallest:
                     continue
-                ids, need = wants
                 slot = await self._try_place(
                     demand, waiter.ranking, config, now - ticket.enqueued_at, closed
                 )
@@ -333,7 +330,7 @@ class Admission:
                 pool.queue.remove(ticket)
                 continue
             if slot is None:
-                refused[(ids, demand.predicted)] = need
+                refused[(ids, demand.predicted)] = min(need, smallest or need)
                 aged = ticket.promoted or waiter.aged(ticket.enqueued_at, now)
                 barriers.append((ticket.rank, aged, ids))
                 continue
@@ -412,24 +409,3 @@ class Admission:
         for priority in ("critical", "standard", "sheddable"):
             self.metrics.queue_depth.labels(pool_name, priority).set(pool.queue.depth(priority))
 
-
-def _kept_out(
-    waiter: Waiter,
-    waited_s: float,
-    closed: frozenset[str],
-    refused: dict[tuple[frozenset[str], bool], int],
-) -> tuple[frozenset[str], int] | None:
-    """The replicas a queued request may try in this pass on its latest ranking, and the
-    fewest blocks it needs there; None when it need not be tried: every one is closed to it
-    by a barrier, or a request no larger already found no room on the same replicas. The
-    barrier it puts up, and what larger requests may not try after it, concern only the
-    replicas its ranking lets it use now (a hold: one)."""
-    usable = [v for v in waiter.ranking.usable(waited_s) if v.id not in closed]
-    if not usable:
-        return None
-    ids = frozenset(v.id for v in usable)
-    need = min(waiter.demand.blocks_on(v.replica) for v in usable)
-    smallest = refused.get((ids, waiter.demand.predicted))
-    if smallest is not None and need >= smallest:
-        return None
-    return ids, need

@@ -23,7 +23,7 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -81,7 +81,6 @@ class Waiter:
     target_s: float | None = None
     expected_s: float | None = None  # the wait estimated on arrival (with a target)
     clock: Callable[[], float] = time.monotonic  # the one `since` was read on
-    ranked_at: float = -math.inf  # when `ranking` was made (on `clock`)
 
     @property
     def promotable(self) -> bool:
@@ -235,18 +234,6 @@ class PoolQueue:
         """The 95th percentile of recent requests' sizes, per basis."""
         return TypicalSizes(self.predicted_sizes.p95(), self.worst_sizes.p95())
 
-    def waited_for(self, demand: Demand, candidates: Sequence[Replica]) -> frozenset[str]:
-        """Those of `candidates` that requests queued ahead of a newcomer with this demand
-        (`ahead_of`, every one of its class or better) are waiting for: theirs first. Read
-        until every candidate is found, so a deep queue is not walked to its end."""
-        wanted = {r.id for r in candidates}
-        found: set[str] = set()
-        for queued in self.ahead_of_lazily(demand, wanted):
-            found.update(r.id for r in queued.payload.candidates if r.id in wanted)
-            if len(found) == len(wanted):
-                break
-        return frozenset(found)
-
     def ahead_of(
         self,
         demand: Demand,
@@ -261,39 +248,27 @@ class PoolQueue:
         in `room` and has not aged (one no larger gets the room first, as it frees)."""
         if not len(self.queue):  # the usual case: nobody waits
             return []
-        return list(self.ahead_of_lazily(
-            demand, {r.id for r in candidates}, upto, room, now,
-            own=min((demand.blocks_on(r) for r in candidates), default=0),
-        ))
-
-    def ahead_of_lazily(
-        self,
-        demand: Demand,
-        ids: set[str],
-        upto: Ticket | None = None,
-        room: int | None = None,
-        now: float = 0.0,
-        own: int = 0,
-    ) -> Iterator[Ticket]:
-        """`ahead_of`, one at a time, for the replicas `ids` (`own`: the demand's fewest
-        blocks on them)."""
         rank = PRIORITY_CLASSES.index(demand.priority)
+        ids = {r.id for r in candidates}
+        own = min((demand.blocks_on(r) for r in candidates), default=0)
+        ahead = []
         for queued in self.queue:
             if queued is upto:
-                return
+                break
             waiter: Waiter = queued.payload
+            queued_demand, queued_candidates = waiter.demand, waiter.candidates
             if waiter.future.done() or queued.rank > rank:
                 continue
-            queued_candidates = waiter.candidates
             if not any(r.id in ids for r in queued_candidates):
                 continue
             if queued.rank == rank and room is not None:
-                need = min((waiter.demand.blocks_on(r) for r in queued_candidates), default=0)
+                need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
                 if need > max(room, own) and not (
                     queued.promoted or waiter.aged(queued.enqueued_at, now)
                 ):
                     continue
-            yield queued
+            ahead.append(queued)
+        return ahead
 
     def expected_wait(
         self, ticket: Ticket, config: AdmissionConfig, ledger: Mapping[str, int], now: float

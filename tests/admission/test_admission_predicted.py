@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.admission.leases import LeaseKeeper
-from kvgate.admission.stage import RANKING_KEPT_S, Admission
+from kvgate.admission.stage import Admission
 from kvgate.admission.waiting import LATENESS_WINDOW_S, PoolQueue
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
@@ -442,46 +442,6 @@ async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
         assert not large.done()
         large.cancel()
         await asyncio.gather(large, return_exceptions=True)
-
-
-async def test_a_pass_over_a_deep_queue_with_no_room_ranks_one_request_not_all():
-    """Ranking is the costly part of a pass. Forty requests wait for a full replica: a pass
-    ranks the first, finds no room for its size, and passes the rest on their latest
-    rankings; once those are older than RANKING_KEPT_S, each is ranked afresh again, and when
-    room frees they are placed as before."""
-    clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=60)), clock)
-    r = replica("a", blocks=40)
-    ranked: list[str] = []
-
-    def counting(tenant: str):
-        rank = in_order(g.admission, [r])
-
-        async def ranker(waited_s: float):
-            ranked.append(tenant)
-            return await rank(waited_s)
-
-        return ranker
-
-    async def enter_counted(tenant: str) -> int:
-        async with g.admission.admit(Demand("p", "m", 16 * 4, tenant, "standard"),
-                                     counting(tenant), g.config):
-            return await g.held(r)
-
-    async with dispatching(g):
-        async with admit(g, Demand("p", "m", 16 * 40, "holder", "standard"), r):
-            waiting = [asyncio.create_task(enter_counted(f"t{i}")) for i in range(40)]
-            await eventually(lambda: len(g.admission.pool("p").queue) == 40)
-            ranked.clear()
-            for _ in range(3):
-                await elapse(g, clock, 0.1)
-            assert 1 <= len(ranked) <= 3 * 2  # a request or so a pass, not forty
-            ranked.clear()
-            await elapse(g, clock, RANKING_KEPT_S)
-            assert len(ranked) >= 40  # every ranking too old to pass on
-        held = await asyncio.wait_for(asyncio.gather(*waiting), 5)
-    assert all(4 <= h <= 40 for h in held)
-    assert await g.held(r) == 0
 
 
 def test_how_late_requests_start_against_their_estimate_is_learned_and_forgotten():
