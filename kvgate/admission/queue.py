@@ -7,10 +7,6 @@ after a reload sheds nobody already queued, it refuses newcomers until the queue
 it): when full, a newcomer of a better class sheds the newest ticket of the worst class present
 (taken from the tenant with the most queued, the one bursting); otherwise the newcomer itself
 is refused.
-
-A waiting request of the sheddable class may be promoted (`promote`): it then goes before the
-standard class's own, for the starvation bound in `kvgate.admission.waiting`. The critical
-class is never passed.
 """
 
 from __future__ import annotations
@@ -22,8 +18,6 @@ from typing import Any
 
 from kvgate.config import PRIORITY_CLASSES
 
-_STANDARD = PRIORITY_CLASSES.index("standard")  # promotion never rises above it
-
 
 @dataclass(eq=False, slots=True)
 class Ticket:
@@ -31,12 +25,10 @@ class Ticket:
     priority: str  # one of PRIORITY_CLASSES
     enqueued_at: float
     payload: Any = None
-    promoted: bool = False  # it waits with the class above its own, at the front
 
     @property
     def rank(self) -> int:
-        """The class it is served with: its own, or the one above once promoted."""
-        return PRIORITY_CLASSES.index(self.priority) - self.promoted
+        return PRIORITY_CLASSES.index(self.priority)
 
 
 @dataclass(slots=True)
@@ -99,32 +91,6 @@ class FairQueue:
         cls.size -= 1
         self._size -= 1
         return True
-
-    def promote(self, ticket: Ticket) -> None:
-        """Serve a queued ticket of a class below standard with the class above its own,
-        before that class's tickets (after any promoted earlier): its tenant's lane moves to
-        the front of that class's round, the ticket to the front of the lane."""
-        if ticket.promoted or ticket.rank <= _STANDARD:
-            raise ValueError("only a ticket of a class below standard may be promoted, once")
-        if not self.remove(ticket):
-            raise ValueError("ticket is not queued")
-        ticket.promoted = True
-        cls = self._classes[ticket.rank]
-        lane = cls.tenants.setdefault(ticket.tenant, deque())
-        ahead = sum(1 for t in lane if t.promoted)
-        lane.insert(ahead, ticket)
-        promoted_lanes = [
-            tenant for tenant, tickets in cls.tenants.items() if tickets[0].promoted
-        ]
-        for tenant in reversed(promoted_lanes):
-            cls.tenants.move_to_end(tenant, last=False)
-        cls.size += 1
-        self._size += 1
-
-    def of_class(self, priority: str) -> Iterator[Ticket]:
-        """The tickets of one class not promoted, in the order `pop` would serve them."""
-        rank = PRIORITY_CLASSES.index(priority)
-        return (t for t in self if t.rank == rank and not t.promoted)
 
     def peek(self) -> Ticket | None:
         for cls in self._classes:

@@ -18,9 +18,7 @@ blocks and its share of its prefix exactly once (`kvgate.protect.finish`).
 
 Queue order: a request that does not fit yet holds back lower classes on the replicas it
 could use, and everyone there once it has aged (`Waiter.aged`: half its target, or half
-max_wait_s) or been promoted, so large requests still make progress; otherwise smaller
-requests pass it. A sheddable request without a target is passed by better classes a bounded
-number of times (`kvgate.admission.waiting`). What
+max_wait_s), so large requests still make progress; otherwise smaller requests pass it. What
 a request needs and holds (`Demand`, `Slot`) lives in `kvgate.admission.demand`.
 """
 
@@ -331,8 +329,7 @@ class Admission:
                 continue
             if slot is None:
                 refused[(ids, demand.predicted)] = min(need, smallest or need)
-                aged = ticket.promoted or waiter.aged(ticket.enqueued_at, now)
-                barriers.append((ticket.rank, aged, ids))
+                barriers.append((ticket.rank, waiter.aged(ticket.enqueued_at, now), ids))
                 continue
             pool.queue.serve(ticket)
             slot.queued = True

@@ -5,15 +5,6 @@ recent requests did — how long they held their blocks, how fast each class too
 later than estimated they started — and one estimate of when room frees (`time_to_room`), for
 `Retry-After` and for refusing at arrival a request that could not start within its latency
 target; and which queued requests a newcomer may not pass.
-
-Starvation is bounded where no latency target is set. Classes are served in strict order, so
-a sheddable request would otherwise wait as long as standard ones keep taking the room that
-frees. Once PASSES_BEFORE_PROMOTION requests of better classes have been placed in the pool
-while a sheddable request without a target waits, the first such is promoted
-(`FairQueue.promote`): it goes before the standard class's queued requests and holds its
-replicas until it fits, so the class gets at least one placement in PASSES_BEFORE_PROMOTION
-+ 1 when both wait. The critical class is never passed. A request with a target is never
-promoted: it is let in only if it is expected to make its target, or refused at once.
 """
 
 from __future__ import annotations
@@ -46,10 +37,6 @@ CLAIMED_WINDOW_S = 10.0
 # new is learned, and what was learned must not refuse them forever).
 LATENESS_MIN_SAMPLES = 8
 LATENESS_WINDOW_S = 30.0
-# With no latency target, a sheddable request is passed by at most this many placements of
-# better classes before it is promoted (module docstring).
-PASSES_BEFORE_PROMOTION = 8
-PROMOTABLE = PRIORITY_CLASSES[PRIORITY_CLASSES.index("standard") + 1:]
 
 
 def time_to_room(
@@ -81,12 +68,6 @@ class Waiter:
     target_s: float | None = None
     expected_s: float | None = None  # the wait estimated on arrival (with a target)
     clock: Callable[[], float] = time.monotonic  # the one `since` was read on
-
-    @property
-    def promotable(self) -> bool:
-        """Its class may be promoted past the standard class's requests, and it has no
-        target (module docstring)."""
-        return self.target_s is None and self.demand.priority in PROMOTABLE
 
     def aged(self, enqueued_at: float, now: float) -> bool:
         """Nothing passes it any more: it has waited AGING_SHARE of its target, and can still
@@ -143,9 +124,6 @@ class PoolQueue:
     # a request found no room on arrival since the last discovery round (it queued, or was
     # refused at once): demand the queue's depth alone would not show
     wanted_room: bool = False
-    # per class below standard: placements of better classes since one of it was placed or
-    # promoted, while one without a target waited
-    passes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMOTABLE, 0))
 
     def take_demand(self) -> bool:
         """Whether requests wanted room here since the last call: some wait now, or one found
@@ -174,27 +152,8 @@ class PoolQueue:
         return max(0.0, errors[int(0.75 * (len(errors) - 1))])
 
     def took(self, priority: str, blocks: int, now: float) -> None:
-        """A request of class `priority` was placed, with `blocks` reserved: it passed the
-        lower classes' requests waiting without a target, and the first of a class that has
-        been passed PASSES_BEFORE_PROMOTION times is promoted."""
-        rank = PRIORITY_CLASSES.index(priority)
-        self.placed.append((now, rank, blocks))
-        for lower in PROMOTABLE:
-            if PRIORITY_CLASSES.index(lower) <= rank:
-                self.passes[lower] = 0  # one of its own (or a lower one) got room
-                continue
-            first = next((
-                t for t in self.queue.of_class(lower)
-                if t.payload.promotable and not t.payload.future.done()
-            ), None)
-            if first is None:
-                self.passes[lower] = 0
-                continue
-            self.passes[lower] += 1
-            if self.passes[lower] >= PASSES_BEFORE_PROMOTION:
-                self.queue.promote(first)
-                self.passes[lower] = 0
-                self.wake.set()
+        """A request of class `priority` was placed, with `blocks` reserved."""
+        self.placed.append((now, PRIORITY_CLASSES.index(priority), blocks))
 
     def claimed_per_s(self, priority: str, now: float) -> float:
         """Blocks a second that requests of a better class than `priority` have been placed
@@ -263,9 +222,7 @@ class PoolQueue:
                 continue
             if queued.rank == rank and room is not None:
                 need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
-                if need > max(room, own) and not (
-                    queued.promoted or waiter.aged(queued.enqueued_at, now)
-                ):
+                if need > max(room, own) and not waiter.aged(queued.enqueued_at, now):
                     continue
             ahead.append(queued)
         return ahead
@@ -295,22 +252,15 @@ class PoolQueue:
         reserved = [ledger.get(view.id, 0) for view, _ in options]
         room = [max(0, limit - held) for (_, limit), held in zip(options, reserved, strict=True)]
         candidates = [view.replica for view, _ in options]
-        before = self.ahead_of(demand, candidates, ticket, sum(room), now)
-        if waiter.promotable:  # better classes pass it a bounded number of times
-            own = [q for q in before if q.priority == demand.priority]
-            better = [q for q in before if q.priority != demand.priority]
-            before = own + better[:PASSES_BEFORE_PROMOTION * (len(own) + 1)]
         ahead = sum(
             min((queued.payload.demand.blocks_on(r) for r in queued.payload.candidates), default=0)
-            for queued in before
+            for queued in self.ahead_of(demand, candidates, ticket, sum(room), now)
         )
         total = sum(reserved)
         hold = self.hold_s()
         if hold is not None and total:
             # the share of the freeing rate (total / hold) left after the better classes
             left = 1 - self.claimed_per_s(demand.priority, now) * hold / total
-            if waiter.promotable:
-                left = max(left, 1 / (PASSES_BEFORE_PROMOTION + 1))
             hold = hold / left if left > 0 else math.inf
         waits = []
         for (view, _), held, free in zip(options, reserved, room, strict=True):

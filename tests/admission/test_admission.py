@@ -12,7 +12,6 @@ import pytest
 from kvgate.admission.demand import Demand, Slot, ledger_key
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.stage import Admission
-from kvgate.admission.waiting import PASSES_BEFORE_PROMOTION
 from kvgate.config import (
     AdmissionConfig,
     Config,
@@ -287,82 +286,6 @@ async def test_two_tenants_under_burst_are_admitted_alternately(harness):
         gate.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert order == ["a0", "b0", "a1", "b1", "a2", "a3"]
-
-
-STARVING = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_depth=32, max_wait_s=5))
-
-
-async def _served_in_order(harness: Harness, queued: list[tuple[str, str]]) -> list[str]:
-    """Queue one request per (tenant, class), in this order, behind one that fills the replica,
-    then free it: the order they were placed in, one at a time."""
-    r = replica("a", blocks=4)
-    order: list[str] = []
-
-    async def one(name: str, priority: str) -> None:
-        async with admit(harness, demand(16 * 4, name.rstrip("0123456789"), priority), r):
-            order.append(name)
-            await asyncio.sleep(0)
-
-    async with admit(harness, demand(16 * 4, "holder"), r):
-        tasks: list[asyncio.Task[None]] = []
-
-        def all_queued() -> bool:
-            return len(harness.admission.pool("p").queue) == len(tasks)
-
-        for name, priority in queued:
-            tasks.append(asyncio.create_task(one(name, priority)))
-            await eventually(all_queued)
-    await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    assert await harness.held(r) == 0
-    return order
-
-
-@pytest.mark.parametrize("harness", [STARVING], indirect=True)
-async def test_without_a_target_a_sheddable_request_is_passed_a_bounded_number_of_times(harness):
-    """Strict class order would serve it after all twelve standard requests queued after it;
-    it goes after PASSES_BEFORE_PROMOTION placements of better classes (the two critical
-    ones count), and the critical class still goes first."""
-    queued = [("batch0", "sheddable")] + [(f"chat{i}", "standard") for i in range(12)]
-    queued += [("vip0", "critical"), ("vip1", "critical")]
-    order = await _served_in_order(harness, queued)
-    assert PASSES_BEFORE_PROMOTION == 8
-    assert order[:2] == ["vip0", "vip1"]
-    assert order.index("batch0") == 8
-    assert [n for n in order if n.startswith("chat")] == [f"chat{i}" for i in range(12)]
-
-
-@pytest.mark.parametrize("harness", [AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
-    max_depth=32, max_wait_s=5, ttft_target_s={"sheddable": 30}))], indirect=True)
-async def test_a_sheddable_request_with_a_target_keeps_strict_class_order(harness):
-    """With a target it was let in because it could make it, or it would have been refused at
-    once: it is never promoted."""
-    queued = [("batch0", "sheddable")] + [(f"chat{i}", "standard") for i in range(12)]
-    order = await _served_in_order(harness, queued)
-    assert order[-1] == "batch0"
-
-
-@pytest.mark.parametrize("harness", [STARVING], indirect=True)
-async def test_a_promoted_request_holds_its_replica_against_standard_newcomers(harness):
-    """Promoted, it is the next to get room there: a standard request arriving while it
-    waits queues behind it, however small, and a critical one does not."""
-    r = replica("a", blocks=10)
-    pool = harness.admission.pool("p")
-    async with admit(harness, demand(16 * 8), r):
-        batch = asyncio.create_task(_admit_and_hold(harness, r, 16 * 4, "batch", "sheddable"))
-        await eventually(lambda: len(pool.queue) == 1)
-        for _ in range(PASSES_BEFORE_PROMOTION):  # better classes placed while it waits
-            pool.took("standard", 1, time.monotonic())
-        assert next(iter(pool.queue)).promoted
-        small = asyncio.create_task(_admit_and_hold(harness, r, 16, "chat", "standard", hold_s=0))
-        await eventually(lambda: len(pool.queue) == 2)
-        assert not small.done()  # 2 blocks are free, but they are the promoted request's
-        async with admit(harness, demand(16 * 2, "vip", "critical"), r) as vip:
-            assert vip.blocks == 2
-    await asyncio.wait_for(small, 5)
-    assert not batch.done() and harness.admission.reserved.get("a") == 4  # placed first
-    batch.cancel()
-    await asyncio.gather(batch, return_exceptions=True)
-    assert await harness.held(r) == 0
 
 
 async def _admit_and_hold(

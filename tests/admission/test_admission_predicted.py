@@ -392,35 +392,6 @@ async def test_the_room_a_better_class_keeps_taking_is_not_counted_as_freeing_fo
         await asyncio.gather(vip, return_exceptions=True)
 
 
-async def test_without_a_target_a_sheddable_request_counts_on_its_bounded_share_of_the_room():
-    """The standard class has taken all of the 10 blocks a second the replica frees. A
-    sheddable request short of 40 blocks is still let in without a target: promoted after
-    PASSES_BEFORE_PROMOTION of theirs, it gets at least one placement in nine, so it expects
-    about 36 s, within max_wait_s. With a target it would miss, it is refused at once."""
-    for target, refused in ((None, False), (30.0, True)):
-        targets = {} if target is None else {"sheddable": target}
-        g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
-            max_wait_s=60, ttft_target_s=targets)))
-        long_holds(g, seconds=9.0)
-        pool = g.admission.pool("p")
-        for _ in range(10):  # 100 blocks over the last 10 s
-            pool.took("standard", 10, time.monotonic())
-        r = replica("a", blocks=100)
-        async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
-            batch = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "b", "sheddable"), r))
-            await asyncio.sleep(0.1)
-            if refused:
-                with pytest.raises(RateLimited) as no:
-                    await batch
-                assert no.value.code == "wait_budget_exceeded"
-                continue
-            assert not batch.done()  # let in: it waits for its room
-            (ticket,) = pool.queue
-            assert 30 <= ticket.payload.expected_s <= 40
-            batch.cancel()
-            await asyncio.gather(batch, return_exceptions=True)
-
-
 async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
     """Aged at half its 0.4 s target, a large request holds its replica for itself while it can
     still make the target; once past it, it waits as one without a target would (aging again

@@ -107,22 +107,3 @@ def test_recent_sizes_keep_the_p95_of_the_last_ones_only():
     assert sizes.p95() == 20
     sizes.add(1000)  # one of twenty: the 95th percentile
     assert sizes.p95() == 1000
-
-
-def test_a_promoted_ticket_goes_before_the_standard_class_and_after_the_critical():
-    queue = FairQueue()
-    for t in (ticket("c", "critical"), ticket("s", n=0), ticket("s", n=1),
-              ticket("x", "sheddable", 0), ticket("y", "sheddable", 0), ticket("x", "sheddable", 1)):
-        queue.push(t, DEEP)
-    x0, y0 = (t for t in queue if t.payload in ("x0", "y0"))
-    queue.promote(x0)
-    queue.promote(y0)  # promoted later: after x0, still before the standard class
-    assert [t.payload for t in queue] == ["c0", "x0", "y0", "s0", "s1", "x1"]
-    assert [t.payload for t in queue.of_class("sheddable")] == ["x1"]
-    assert queue.depth("standard") == 4  # it waits with the standard class now
-    with pytest.raises(ValueError):
-        queue.promote(x0)  # once
-    with pytest.raises(ValueError):
-        queue.promote(next(t for t in queue if t.payload == "s0"))  # never into critical
-    assert queue.remove(x0) and len(queue) == 5
-    assert drain(queue) == ["c0", "y0", "s0", "s1", "x1"]
