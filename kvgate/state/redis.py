@@ -232,7 +232,7 @@ class RedisStore:
                 await asyncio.sleep(RESUBSCRIBE_S)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8
 
     # --- lifecycle ----------------------------------------------------------------------------
 
