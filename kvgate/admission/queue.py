@@ -25,6 +25,9 @@ class Ticket:
     priority: str  # one of PRIORITY_CLASSES
     enqueued_at: float
     payload: Any = None
+    # in the queue now: a ticket already served or shed is not looked for (a miss would cost
+    # a scan of its tenant's lane, and the ValueError a repr of the ticket and its payload)
+    queued: bool = field(default=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -63,6 +66,7 @@ class FairQueue:
             shed = self._shed_from(worst)
         cls = self._classes[ticket.rank]
         cls.tenants.setdefault(ticket.tenant, deque()).append(ticket)
+        ticket.queued = True
         cls.size += 1
         self._size += 1
         return shed
@@ -78,14 +82,12 @@ class FairQueue:
 
     def remove(self, ticket: Ticket) -> bool:
         """Remove a ticket that leaves without being served (timeout, disconnect)."""
+        if not ticket.queued:
+            return False
         cls = self._classes[ticket.rank]
-        tickets = cls.tenants.get(ticket.tenant)
-        if tickets is None:
-            return False
-        try:
-            tickets.remove(ticket)
-        except ValueError:
-            return False
+        tickets = cls.tenants[ticket.tenant]
+        tickets.remove(ticket)
+        ticket.queued = False
         if not tickets:
             del cls.tenants[ticket.tenant]
         cls.size -= 1
@@ -105,6 +107,7 @@ class FairQueue:
                 continue
             tenant, tickets = next(iter(cls.tenants.items()))
             ticket = tickets.popleft()
+            ticket.queued = False
             if tickets:
                 cls.tenants.move_to_end(tenant)
             else:
@@ -136,6 +139,7 @@ class FairQueue:
         # the tenant with the most queued; among equals, the one whose last ticket is newest
         tenant = max(cls.tenants, key=lambda t: (len(cls.tenants[t]), cls.tenants[t][-1].enqueued_at))
         ticket = cls.tenants[tenant].pop()
+        ticket.queued = False
         if not cls.tenants[tenant]:
             del cls.tenants[tenant]
         cls.size -= 1

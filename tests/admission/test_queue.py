@@ -79,6 +79,36 @@ def test_removed_ticket_leaves_no_trace():
         queue.pop()
 
 
+class Unprintable:
+    """A payload as large as a real waiter's: formatting it is a failure here."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("the queue formatted a ticket's payload")
+
+
+def test_a_ticket_that_left_by_any_path_is_not_looked_for():
+    # Every queued request's own exit path removes its ticket, usually after the serving pass
+    # took it; a miss must not scan the lane, nor format the ticket (deque.remove's
+    # ValueError is built from the ticket's repr, its payload's included)
+    queue = FairQueue()
+    served, popped, shed, removed, other = (
+        Ticket(t, p, 0.0, Unprintable()) for t, p in
+        [("a", "standard"), ("b", "standard"), ("c", "sheddable"), ("a", "standard"), ("a", "standard")]
+    )  # fmt: skip
+    for t in (served, popped, shed, removed, other):
+        queue.push(t, 5)
+    assert queue.push(refused := Ticket("d", "sheddable", 0.0, Unprintable()), 5) is refused
+    assert queue.serve(served) is True
+    assert queue.pop() is popped
+    assert queue.push(Ticket("e", "critical", 0.0, Unprintable()), 3) is shed  # full at 3
+    assert queue.remove(removed) is True
+    for gone in (served, popped, shed, removed, refused):
+        assert queue.remove(gone) is False
+        assert queue.serve(gone) is False
+    assert len(queue) == 2 and list(queue)[1] is other  # the critical newcomer first
+    assert queue.remove(other) is True and queue.depth("standard") == 0
+
+
 def test_position_counts_tickets_served_before():
     queue = FairQueue()
     tickets = [ticket("a", n=0), ticket("a", n=1), ticket("b", n=0)]
