@@ -97,7 +97,8 @@ def test_a_ticket_that_left_by_any_path_is_not_looked_for():
     )  # fmt: skip
     for t in (served, popped, shed, removed, other):
         queue.push(t, 5)
-    assert queue.push(refused := Ticket("d", "sheddable", 0.0, Unprintable()), 5) is refused
+    refused = Ticket("d", "sheddable", 0.0, Unprintable())
+    assert queue.push(refused, 5) is refused
     assert queue.serve(served) is True
     assert queue.pop() is popped
     assert queue.push(Ticket("e", "critical", 0.0, Unprintable()), 3) is shed  # full at 3
