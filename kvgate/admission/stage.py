@@ -38,7 +38,7 @@ from kvgate.admission.ledger import Ledger
 from kvgate.admission.overcommit import Overcommit
 from kvgate.admission.placement import check_can_ever_fit, first_not_busy, limit_for
 from kvgate.admission.queue import Ticket
-from kvgate.admission.waiting import PoolQueue, Waiter
+from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
 from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
 from kvgate.fleet.replicas import Replica
@@ -150,7 +150,8 @@ class Admission:
             target = config.queue.target(demand.priority, tenant_target_s)
             future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
             waiter = Waiter(
-                demand, rank, future, ranking, started, config, target, clock=self.clock
+                demand, rank, future, ranking, started, config, target, clock=self.clock,
+                ranked_at=asked,
             )
             slot = await self._wait(pool, waiter, asked - started)
         self.metrics.admissions.labels(
@@ -288,48 +289,45 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
-        """One pass over the queue in service order, each request ranked afresh and placed
-        under the admission config it arrived with. A request that does not fit puts up a
-        barrier on the replicas it could use: requests of a lower class may not take them, nor
-        may anyone once it has aged (`Waiter.aged`), so large requests still make progress.
-        Requests for other replicas go on. Within a pass, once a request of n
-        blocks did not fit on a set of replicas, larger ones for the same set are not tried."""
+        """One pass over the queue in service order, each request placed under the admission
+        config it arrived with. A request that does not fit puts up a barrier on the replicas
+        it could use: requests of a lower class may not take them, nor may anyone once it has
+        aged (`Waiter.aged`), so large requests still make progress. Requests for other
+        replicas go on. Within a pass, once a request of n blocks did not fit on a set of
+        replicas, larger ones for the same set are not tried, nor ranked again while their
+        last ranking is younger than RERANK_S: passes run on every release, and a pass over a
+        deep queue ranks the requests it may place, not every one."""
         now = self.clock()
-        barriers: list[tuple[int, bool, frozenset[str]]] = []  # (rank, aged, replica ids)
-        refused: dict[tuple[frozenset[str], bool], int] = {}
+        book = PassBook()
         for ticket in list(pool.queue):
             waiter: Waiter = ticket.payload
             demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():
                 pool.queue.remove(ticket)
                 continue
+            waited = now - ticket.enqueued_at
+            closed = book.closed_to(ticket.rank)
+            aged = waiter.aged(ticket.enqueued_at, now)
+            if now - waiter.ranked_at < RERANK_S:
+                wants = waiter.wants(waited, closed)
+                if book.passes_over(wants, demand.predicted):
+                    book.passed_over(aged, wants)
+                    continue
             try:
-                waited = now - ticket.enqueued_at
-                waiter.ranking = await waiter.rank(waited)
-                closed = frozenset(
-                    rid for rank, aged, ids in barriers if aged or rank < ticket.rank for rid in ids
-                )
-                # the barrier it puts up, and what smaller requests may not try after it,
-                # concern only the replicas its ranking lets it use now (a hold: one)
-                usable = [v for v in waiter.ranking.usable(waited) if v.id not in closed]
-                if not usable:
+                waiter.ranking, waiter.ranked_at = await waiter.rank(waited), now
+                wants = waiter.wants(waited, closed)
+                if book.passes_over(wants, demand.predicted):
+                    book.passed_over(aged, wants)
                     continue
-                ids = frozenset(v.id for v in usable)
-                need = min(demand.blocks_on(v.replica) for v in usable)
-                smallest = refused.get((ids, demand.predicted))
-                if smallest is not None and need >= smallest:
-                    continue
-                slot = await self._try_place(
-                    demand, waiter.ranking, config, now - ticket.enqueued_at, closed
-                )
+                slot = await self._try_place(demand, waiter.ranking, config, waited, closed)
             except Exception as exc:  # a store failure ends this waiter, not the loop
                 if not future.done():
                     future.set_exception(exc)
                 pool.queue.remove(ticket)
                 continue
             if slot is None:
-                refused[(ids, demand.predicted)] = min(need, smallest or need)
-                barriers.append((ticket.rank, waiter.aged(ticket.enqueued_at, now), ids))
+                assert wants is not None  # passes_over(None) holds
+                book.refused(ticket.rank, aged, wants, demand.predicted)
                 continue
             pool.queue.serve(ticket)
             slot.queued = True

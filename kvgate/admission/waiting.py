@@ -37,6 +37,10 @@ CLAIMED_WINDOW_S = 10.0
 # new is learned, and what was learned must not refuse them forever).
 LATENESS_MIN_SAMPLES = 8
 LATENESS_WINDOW_S = 30.0
+# A serving pass trusts a queued request's last ranking this long to tell that it cannot be
+# placed (a smaller one was just refused where it would ask): within it, a replica that came
+# up meanwhile waits for the next ranking.
+RERANK_S = 0.5
 
 
 def time_to_room(
@@ -55,7 +59,8 @@ def time_to_room(
 @dataclass(eq=False, slots=True)
 class Waiter:
     """A queued request: what it needs, how to rank replicas for it, where its slot goes, its
-    latest ranking (for estimates between attempts), the admission config it arrived under
+    latest ranking and when it was made (for estimates, and for the serving pass to tell
+    without ranking again that it cannot be placed yet), the admission config it arrived under
     (the dispatcher places it by that one, whatever a reload does meanwhile), and its latency
     target (None: it has none)."""
 
@@ -68,6 +73,7 @@ class Waiter:
     target_s: float | None = None
     expected_s: float | None = None  # the wait estimated on arrival (with a target)
     clock: Callable[[], float] = time.monotonic  # the one `since` was read on
+    ranked_at: float = -math.inf  # when `ranking` was made, on `clock`
 
     def aged(self, enqueued_at: float, now: float) -> bool:
         """Nothing passes it any more: it has waited AGING_SHARE of its target, and can still
@@ -78,12 +84,65 @@ class Waiter:
             return True
         return waited > AGING_SHARE * self.config.queue.max_wait_s
 
+    def wants(self, waited_s: float, closed: frozenset[str]) -> Wants | None:
+        """What its latest ranking lets it ask for after `waited_s`, less the `closed`
+        replicas; None when that leaves none."""
+        usable = [v for v in self.ranking.usable(waited_s) if v.id not in closed]
+        if not usable:
+            return None
+        need = min(self.demand.blocks_on(v.replica) for v in usable)
+        return Wants(frozenset(v.id for v in usable), need)
+
     @property
     def candidates(self) -> list[Replica]:
         """The replicas it may take now: those its latest ranking lets it use after the time
         it has waited (`Ranking.usable`)."""
         usable = self.ranking.usable(self.clock() - self.since)
         return [view.replica for view in usable]
+
+
+@dataclass(frozen=True, slots=True)
+class Wants:
+    """The replicas a queued request may take now, and the fewest blocks it needs on one."""
+
+    ids: frozenset[str]
+    need: int
+
+
+class PassBook:
+    """What one serving pass has learned so far: the barriers its requests put up (replicas
+    closed to the classes below theirs; to everyone, once one has aged), and, per set of
+    replicas and mode, the smallest request refused there."""
+
+    __slots__ = ("_aged", "_by_rank", "_refused")
+
+    def __init__(self) -> None:
+        self._by_rank: list[set[str]] = [set() for _ in PRIORITY_CLASSES]
+        self._aged: set[str] = set()
+        self._refused: dict[tuple[frozenset[str], bool], int] = {}
+
+    def closed_to(self, rank: int) -> frozenset[str]:
+        """The replicas a request of class `rank` may not take in what is left of the pass."""
+        return frozenset(self._aged.union(*self._by_rank[:rank]))
+
+    def passes_over(self, wants: Wants | None, predicted: bool) -> bool:
+        """Whether a request is not tried: nothing it may use is open to it, or one no larger
+        (on the same mode) was refused on the same replicas in this pass."""
+        if wants is None:
+            return True
+        smallest = self._refused.get((wants.ids, predicted))
+        return smallest is not None and wants.need >= smallest
+
+    def passed_over(self, aged: bool, wants: Wants | None) -> None:
+        """A request not tried still holds back everyone once it has aged (a smaller one
+        refused before it holds back only the classes below its own)."""
+        if aged and wants is not None:
+            self._aged.update(wants.ids)
+
+    def refused(self, rank: int, aged: bool, wants: Wants, predicted: bool) -> None:
+        key = (wants.ids, predicted)
+        self._refused[key] = min(wants.need, self._refused.get(key, wants.need))
+        (self._aged if aged else self._by_rank[rank]).update(wants.ids)
 
 
 class RecentSizes:

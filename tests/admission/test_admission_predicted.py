@@ -14,11 +14,12 @@ import pytest
 from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.stage import Admission
-from kvgate.admission.waiting import LATENESS_WINDOW_S, PoolQueue
+from kvgate.admission.waiting import LATENESS_WINDOW_S, RERANK_S, PoolQueue
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.view import FleetView
 from kvgate.metrics import Metrics
+from kvgate.routing.ranking import Ranking
 from kvgate.state.memory import MemoryStore
 from tests.admission.test_admission import admit, replica, whole
 from tests.plugins.clock import ManualClock
@@ -347,6 +348,111 @@ async def test_with_no_target_a_large_request_stops_being_passed_after_half_of_m
             assert not small.done()  # 40 blocks are free, but it may not pass any more
         assert await large in (50, 60)
         await small
+
+
+async def test_an_aged_request_passed_over_in_a_pass_still_holds_everyone_back():
+    """A young request queued ahead (by tenant round robin) is refused first; the aged one
+    behind it, larger, is not tried in that pass, and must still hold the replica against a
+    small newcomer that would fit in the 40 free blocks."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    patient = g.config  # ages after 50 s
+    hurried = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1.0))
+    r = replica("a", blocks=100)
+    admission = g.admission
+
+    async def wait(demand: Demand, config: AdmissionConfig) -> int:
+        async with admission.admit(demand, in_order(admission, [r]), config):
+            return await g.held(r)
+
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
+            young = asyncio.create_task(wait(Demand("p", "m", 16 * 45, "x", "standard"), patient))
+            await asyncio.sleep(0.05)
+            aged = asyncio.create_task(wait(Demand("p", "m", 16 * 50, "y", "standard"), hurried))
+            await asyncio.sleep(0.05)
+            await elapse(g, clock, 0.55)  # the second has aged; the first, ahead of it, has not
+            small = asyncio.create_task(wait(Demand("p", "m", 16 * 10, "z", "standard"), patient))
+            await asyncio.sleep(0.1)
+            await elapse(g, clock, 0.0)
+            assert not small.done()  # 40 blocks are free, but the aged one is not passed
+        assert sorted(await asyncio.gather(young, aged)) in ([45, 95], [50, 95])
+        await small
+
+
+async def test_a_pass_over_a_deep_queue_ranks_only_the_requests_it_may_place():
+    """Forty requests wait for one full replica. Passes run on every release; each ranks the
+    first request again (it is tried) and none of the larger ones behind it while their last
+    ranking is younger than RERANK_S, then ranks each once more after it."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    r = replica("a", blocks=100)
+    admission = g.admission
+    ranked = [0]
+
+    def counted(rank):
+        async def counting(waited_s: float):
+            ranked[0] += 1
+            return await rank(waited_s)
+        return counting
+
+    async def wait(blocks: int, tenant: str) -> None:
+        ranker = counted(in_order(admission, [r]))
+        async with admission.admit(Demand("p", "m", 16 * blocks, tenant, "standard"), ranker, g.config):
+            pass
+
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 95, "t", "standard"), r):
+            waiting = [asyncio.create_task(wait(10 + n, f"u{n}")) for n in range(40)]
+            await asyncio.sleep(0.1)
+            assert len(admission.pool("p").queue) == 40
+            ranked[0] = 0
+            for _ in range(5):
+                await elapse(g, clock, 0.0)
+            assert ranked[0] == 5  # the head of the queue, once a pass
+            ranked[0] = 0
+            await elapse(g, clock, RERANK_S)
+            assert ranked[0] == 40  # rankings gone stale: each ranked afresh, once
+            assert not any(task.done() for task in waiting)
+        async with asyncio.timeout(5):
+            await asyncio.gather(*waiting)  # and each is placed as room frees
+
+
+async def test_a_replica_that_comes_up_is_taken_by_requests_passed_over_within_rerank_s():
+    """The head of the queue may use only the full replica; the two behind it would now also
+    rank a new, empty one, but their last ranking (the full one only) says they cannot be
+    placed: within RERANK_S they are ranked again, and placed there."""
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    full, fresh = replica("a", blocks=100), replica("b", blocks=100)
+    admission = g.admission
+    fleet = [full]
+
+    async def wait(blocks: int, tenant: str, replicas: list) -> None:
+        view = FleetView(replicas, admission)  # ranks `replicas` as the list is at each call
+
+        async def rank(waited_s: float):
+            return Ranking(list(view.take(admission.current())))
+
+        async with admission.admit(Demand("p", "m", 16 * blocks, tenant, "standard"), rank, g.config):
+            await asyncio.sleep(10)  # held until cancelled
+
+    async with dispatching(g), admit(g, Demand("p", "m", 16 * 95, "t", "standard"), full):
+        head = asyncio.create_task(wait(10, "x", [full]))
+        await asyncio.sleep(0.05)
+        behind = [asyncio.create_task(wait(20 + n, f"y{n}", fleet)) for n in range(2)]
+        await asyncio.sleep(0.05)
+        fleet.append(fresh)  # it came up
+        await elapse(g, clock, RERANK_S)
+
+        async def placed() -> bool:
+            return await g.held(fresh) == 41
+
+        await eventually(placed, timeout_s=2, what="both placed on the new replica")
+        assert not head.done()
+        for task in (head, *behind):
+            task.cancel()
+        await asyncio.gather(head, *behind, return_exceptions=True)
 
 
 async def test_a_request_of_the_same_size_queued_ahead_is_counted_when_nothing_fits_yet():
