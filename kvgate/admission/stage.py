@@ -138,10 +138,7 @@ class Admission:
         pool.arrived(demand, candidates)
         # replicas that requests queued ahead of this one are waiting for are theirs first;
         # any other may take it now (no head-of-line blocking across replicas)
-        waited_for = frozenset(
-            replica.id for ahead in pool.ahead_of(demand, candidates)
-            for replica in ahead.payload.candidates
-        )
+        waited_for = pool.waited_for(demand, frozenset(r.id for r in candidates))
         slot = await self._try_place(
             demand, ranking, config, self.clock() - started, waited_for
         )

@@ -14,7 +14,7 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,8 @@ class Waiter:
     expected_s: float | None = None  # the wait estimated on arrival (with a target)
     clock: Callable[[], float] = time.monotonic  # the one `since` was read on
     ranked_at: float = -math.inf  # when `ranking` was made, on `clock`
+    # what `asks` last answered, for which ranking, and whether its hold was on then
+    _asked: tuple[Ranking, bool, Wants | None] | None = field(default=None, repr=False)
 
     def aged(self, enqueued_at: float, now: float) -> bool:
         """Nothing passes it any more: it has waited AGING_SHARE of its target, and can still
@@ -93,12 +95,17 @@ class Waiter:
         need = min(self.demand.blocks_on(v.replica) for v in usable)
         return Wants(frozenset(v.id for v in usable), need)
 
-    @property
-    def candidates(self) -> list[Replica]:
-        """The replicas it may take now: those its latest ranking lets it use after the time
-        it has waited (`Ranking.usable`)."""
-        usable = self.ranking.usable(self.clock() - self.since)
-        return [view.replica for view in usable]
+    def asks(self) -> Wants | None:
+        """`wants` now, nothing closed: what every newcomer's estimate reads of each request
+        queued ahead of it, so it is kept until the ranking changes or its hold ends."""
+        waited, ranking = self.clock() - self.since, self.ranking
+        held = ranking.hold is not None and waited < ranking.hold.for_s
+        asked = self._asked
+        if asked is not None and asked[0] is ranking and asked[1] == held:
+            return asked[2]
+        wants = self.wants(waited, frozenset())
+        self._asked = (ranking, held, wants)
+        return wants
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,36 +262,42 @@ class PoolQueue:
     def ahead_of(
         self,
         demand: Demand,
-        candidates: Sequence[Replica],
+        ids: Collection[str],
         upto: Ticket | None = None,
         room: int | None = None,
         now: float = 0.0,
-    ) -> list[Ticket]:
-        """The queued requests, ahead in service order (up to `upto`), that want one of these
-        replicas and will start before this demand: every one of a better class; of its own
-        class, with `room` given, all but those it can pass — a larger one that does not fit
-        in `room` and has not aged (one no larger gets the room first, as it frees)."""
+    ) -> Iterator[Wants]:
+        """What each queued request asks for that is ahead in service order (up to `upto`),
+        wants one of the replicas `ids` and will start before this demand: every one of a
+        better class; of its own class, with `room` given, all but those it can pass — one
+        that needs more than `room` and has not aged (one no larger gets the room first, as
+        it frees)."""
         if not len(self.queue):  # the usual case: nobody waits
-            return []
+            return
         rank = PRIORITY_CLASSES.index(demand.priority)
-        ids = {r.id for r in candidates}
-        own = min((demand.blocks_on(r) for r in candidates), default=0)
-        ahead = []
         for queued in self.queue:
             if queued is upto:
-                break
+                return
             waiter: Waiter = queued.payload
-            queued_demand, queued_candidates = waiter.demand, waiter.candidates
-            if waiter.future.done() or queued.rank > rank:
+            if queued.rank > rank or waiter.future.done():
                 continue
-            if not any(r.id in ids for r in queued_candidates):
+            wants = waiter.asks()
+            if wants is None or wants.ids.isdisjoint(ids):
                 continue
-            if queued.rank == rank and room is not None:
-                need = min((queued_demand.blocks_on(r) for r in queued_candidates), default=0)
-                if need > max(room, own) and not waiter.aged(queued.enqueued_at, now):
-                    continue
-            ahead.append(queued)
-        return ahead
+            passable = queued.rank == rank and room is not None and wants.need > room
+            if passable and not waiter.aged(queued.enqueued_at, now):
+                continue
+            yield wants
+
+    def waited_for(self, demand: Demand, ids: frozenset[str]) -> frozenset[str]:
+        """Of the replicas `ids`, those that requests queued ahead of this demand wait for:
+        theirs first (no head-of-line blocking across the others)."""
+        waited: set[str] = set()
+        for wants in self.ahead_of(demand, ids):
+            waited |= wants.ids & ids
+            if len(waited) == len(ids):  # all of them: nothing more to learn
+                break
+        return frozenset(waited)
 
     def expected_wait(
         self, ticket: Ticket, config: AdmissionConfig, ledger: Mapping[str, int], now: float
@@ -310,11 +323,10 @@ class PoolQueue:
             return None
         reserved = [ledger.get(view.id, 0) for view, _ in options]
         room = [max(0, limit - held) for (_, limit), held in zip(options, reserved, strict=True)]
-        candidates = [view.replica for view, _ in options]
-        ahead = sum(
-            min((queued.payload.demand.blocks_on(r) for r in queued.payload.candidates), default=0)
-            for queued in self.ahead_of(demand, candidates, ticket, sum(room), now)
-        )
+        ids = frozenset(view.id for view, _ in options)
+        # those it can pass need more than the free room, and more than it needs itself
+        passable = max(sum(room), min(demand.blocks_on(view.replica) for view, _ in options))
+        ahead = sum(wants.need for wants in self.ahead_of(demand, ids, ticket, passable, now))
         total = sum(reserved)
         hold = self.hold_s()
         if hold is not None and total:

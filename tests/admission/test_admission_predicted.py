@@ -14,12 +14,12 @@ import pytest
 from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.stage import Admission
-from kvgate.admission.waiting import LATENESS_WINDOW_S, RERANK_S, PoolQueue
+from kvgate.admission.waiting import LATENESS_WINDOW_S, RERANK_S, PoolQueue, Waiter, Wants
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.view import FleetView
 from kvgate.metrics import Metrics
-from kvgate.routing.ranking import Ranking
+from kvgate.routing.ranking import Hold, Ranking
 from kvgate.state.memory import MemoryStore
 from tests.admission.test_admission import admit, replica, whole
 from tests.plugins.clock import ManualClock
@@ -453,6 +453,52 @@ async def test_a_replica_that_comes_up_is_taken_by_requests_passed_over_within_r
         for task in (head, *behind):
             task.cancel()
         await asyncio.gather(head, *behind, return_exceptions=True)
+
+
+async def test_what_a_queued_request_asks_for_follows_its_hold_and_its_ranking():
+    clock = ManualClock()
+    g = Gate(AdmissionConfig(target_utilization=1.0), clock)
+    a, b = replica("a", blocks=100), replica("b", blocks=100, block_size=32)
+    views = list(FleetView([a, b], g.admission).take(g.admission.current()))
+    future = asyncio.get_running_loop().create_future()
+    held = Ranking(views, hold=Hold(views[0], for_s=1.0))
+    waiter = Waiter(Demand("p", "m", 16 * 10, "t", "standard"), in_order(g.admission, [a]),
+                    future, held, clock(), g.config, clock=clock)
+    assert waiter.asks() == Wants(frozenset({"a"}), 10)  # held: its replica only
+    clock.advance(1.0)
+    assert waiter.asks() == Wants(frozenset({"a", "b"}), 5)  # the hold is over: 32-token blocks
+    waiter.ranking = Ranking(views[1:])
+    assert waiter.asks() == Wants(frozenset({"b"}), 5)  # ranked again
+
+
+async def test_newcomers_behind_a_deep_queue_read_each_queued_request_once(monkeypatch):
+    """Every arrival reads what the requests queued ahead of it ask for (which replicas they
+    wait for, and how many blocks, for its estimate): forty queued, ten newcomers."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)))
+    r = replica("a", blocks=100)
+    read = [0]
+    wants = Waiter.wants
+
+    def counted(self, waited_s, closed):
+        read[0] += 1
+        return wants(self, waited_s, closed)
+
+    monkeypatch.setattr(Waiter, "wants", counted)
+    long_holds(g, seconds=1.0)  # estimates are made, and short
+    async with admit(g, Demand("p", "m", 16 * 95, "t", "standard"), r):
+        waiting = [asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, f"u{n}", "standard"), r))
+                   for n in range(40)]
+        await asyncio.sleep(0.1)
+        assert len(g.admission.pool("p").queue) == 40
+        read[0] = 0
+        waiting += [asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, f"v{n}", "standard"), r))
+                    for n in range(10)]
+        await asyncio.sleep(0.1)
+        assert len(g.admission.pool("p").queue) == 50
+        assert read[0] <= 50  # not 40 x 10 x 2: each request's answer is kept
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def test_a_request_of_the_same_size_queued_ahead_is_counted_when_nothing_fits_yet():
