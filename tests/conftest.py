@@ -1,10 +1,12 @@
 """Fixtures live in tests/plugins/, one file per concern.
 
 tests/conformance runs in a virtualenv of its own that has vLLM (`./scripts/conformance`);
-this suite's virtualenv has none, so it does not collect them.
+this suite's virtualenv has none, so it does not collect them. tests/real starts vLLM's CPU
+build (`./scripts/vllm-cpu test`), and is collected only when KVGATE_REAL_VLLM is set.
 """
 
 import importlib.util
+import os
 
 import pytest
 
@@ -17,6 +19,9 @@ pytest_plugins = [
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]
+# tests/real starts real vLLM engines from vLLM's CPU build: `./scripts/vllm-cpu test` runs it.
+if not os.environ.get("KVGATE_REAL_VLLM"):
+    collect_ignore.append("real")
 
 # Fixtures that start a kvgate process: a test that uses one is `slow`.
 PROCESS_FIXTURES = {"start_kvgate"}
@@ -27,5 +32,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     fixture of PROCESS_FIXTURES, and the conformance suite (a vLLM engine each)."""
     for item in items:
         uses_a_process = bool(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))
-        if uses_a_process or item.nodeid.startswith("tests/conformance/"):
+        if uses_a_process or item.nodeid.startswith(("tests/conformance/", "tests/real/")):
             item.add_marker(pytest.mark.slow)

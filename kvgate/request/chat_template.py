@@ -44,9 +44,46 @@ class ChatTemplate:
     ) -> str:
         context: dict[str, Any] = {**self.special_tokens, **(extra or {})}
         context.update(
-            messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt
+            messages=as_vllm_renders(messages), tools=tools,
+            add_generation_prompt=add_generation_prompt,
         )
         return self._render(**context)
+
+
+def as_vllm_renders(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages as vLLM hands them to the template: an assistant's tool calls carry their
+    `arguments` as an object, parsed from the JSON string the OpenAI API sends (not valid
+    JSON, not an object, or empty: `{}`), and an empty `tool_calls` list is dropped. The
+    request's own messages are left as they are; only those that change are copied.
+    Found on a real vLLM (0.32's `_postprocess_messages`): without it every chat with a
+    tool call in its history was over-counted by the JSON string's quoting."""
+    out: list[Mapping[str, Any]] = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") != "assistant" or not isinstance(calls, list):
+            out.append(message)
+            continue
+        copy = dict(message)
+        if not calls:
+            del copy["tool_calls"]
+        else:
+            copy["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
+        out.append(copy)
+    return out
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call  # vLLM refuses such a call itself
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    function["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": function}
 
 
 def compile_template(source: str, special_tokens: Mapping[str, str] | None = None) -> ChatTemplate:

