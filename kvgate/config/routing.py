@@ -13,6 +13,10 @@ from kvgate.config.base import PositiveFloat, PositiveInt, Section
 class DiscoveryConfig(Section):
     interval_s: PositiveFloat = 2.0
     timeout_s: PositiveFloat = 1.0
+    # Checks in a row that must fail (late, or answered 5xx) before a replica counts as
+    # unhealthy: an API server busy generating answers late, and late is not failing. A
+    # refused connection (nothing listens there) counts at once.
+    failure_threshold: PositiveInt = 3
     # Scraped figures older than this are treated as unknown.
     stale_after_s: PositiveFloat = 10.0
 

@@ -2,6 +2,12 @@
 `discovery.interval_s`, never on a request's path: a slow or dead replica makes its figures
 stale, never a request slow. Figures older than `stale_after_s` read as unknown; a replica
 whose capacity is unknown (and not given in config) is not admitted to.
+
+Unhealthy means failing, not late: a replica leaves rotation once `failure_threshold` checks
+in a row have failed (no answer within `timeout_s`, or a 5xx), or at once when nothing
+listens at its address; a check that only came late while the replica answers our requests
+is no failure at all. A real vLLM's API server shares its CPU with the engine's loop and
+answers /v1/models late while it generates (tests/real): one late answer is no verdict.
 """
 
 from __future__ import annotations
@@ -37,10 +43,18 @@ async def discover(
                 raise RuntimeError(f"/v1/models answered {resp.status}")
             listing = orjson.loads(await resp.read())
     except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
-        if replica.healthy:
-            log.warning("replica %s is unhealthy: %s", replica.id, exc or type(exc).__name__)
-        replica.healthy = False
-        replica.last_error = str(exc) or type(exc).__name__
+        late = isinstance(exc, TimeoutError)
+        recent = config.interval_s * config.failure_threshold + config.timeout_s
+        if late and time.monotonic() - replica.answered_at < recent:
+            return  # busy answering requests, which is the opposite of failing
+        replica.failed_checks += 1
+        replica.last_error = str(exc) or type(exc).__name__ or "no answer in time"
+        refused = isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
+            exc, aiohttp.ConnectionTimeoutError)
+        if replica.healthy and (refused or replica.failed_checks >= config.failure_threshold):
+            log.warning("replica %s is unhealthy after %d failed checks: %s",
+                        replica.id, replica.failed_checks, replica.last_error)
+            replica.healthy = False
         return
     # A slow or failing /metrics leaves the figures stale (then unknown), never the replica
     # out of rotation: routing and admission fall back to the ledger alone.
@@ -56,6 +70,7 @@ async def discover(
     if not replica.healthy:
         log.info("replica %s is healthy", replica.id)
     replica.healthy = True
+    replica.failed_checks = 0
     replica.last_seen = now
     replica.last_error = None
 

@@ -46,6 +46,8 @@ class Replica:
     scrape: Scrape | None = None
     last_seen: float = 0.0
     last_error: str | None = None
+    failed_checks: int = 0  # discovery's checks failed in a row
+    answered_at: float = -1e18  # when it last answered one of our requests (monotonic)
     # request key -> what it has written so far, for this instance's in-flight requests here
     inflight: dict[str, Writing] = field(default_factory=dict)
     decode_clock: DecodeClock = field(default_factory=DecodeClock)

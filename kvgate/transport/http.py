@@ -54,6 +54,7 @@ class HttpTransport:
             _failed(attempt, exc)
             raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
         attempt.status = upstream.status
+        replica.answered_at = time.monotonic()  # alive, whatever discovery's checks say
         return UpstreamResponse(
             request, upstream.status, deadline,
             read=upstream.read, readany=upstream.content.readany,

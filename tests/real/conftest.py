@@ -56,13 +56,17 @@ def engines() -> Iterator[dict[str, Engine]]:
             engine.stop()
 
 
-def real_config(engines: dict[str, Engine], names: list[str], **sections: Any) -> Config:
-    """kvgate in front of the named engines, counting with the model directory's own tokenizer
-    and chat template, reading KV events where the engine publishes them."""
+def real_config(
+    engines: dict[str, Engine], names: list[str], rename: dict[str, str] | None = None,
+    **sections: Any,
+) -> Config:
+    """kvgate in front of the named engines (each replica named as its engine, or as `rename`
+    says), counting with the model directory's own tokenizer and chat template, reading KV
+    events where the engine publishes them."""
     replicas = []
     for name in names:
         engine = engines[name]
-        entry: dict[str, Any] = {"url": engine.url, "name": name}
+        entry: dict[str, Any] = {"url": engine.url, "name": (rename or {}).get(name, name)}
         if engine.spec.kv_events:
             entry["kv_events"] = {"endpoint": engine.kv_events, "replay_endpoint": engine.kv_replay}
         replicas.append(entry)
@@ -74,6 +78,8 @@ def real_config(engines: dict[str, Engine], names: list[str], **sections: Any) -
         "pools": {"default": pool},
         "models": [{"name": MODEL_NAME, "tokenizer": tokenizer}],
         "discovery": {"interval_s": 0.2, "timeout_s": 2.0},
+        # a real engine on a shared CPU: kvgate's own defaults, not the simulator tests' tight ones
+        "timeouts": {"connect_s": 5, "first_byte_s": 120, "idle_s": 60, "total_s": 300},
     }
     tree.update(sections)
     return gateway_config([], **tree)

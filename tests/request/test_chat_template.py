@@ -134,3 +134,28 @@ def test_templates_are_found_beside_the_tokenizer_and_bad_ones_fail_at_start(tmp
     (tmp_path / "empty.json").write_text("{}")
     with pytest.raises(TokenizerError, match="no chat_template"):
         load_template(tmp_path / "empty.json")
+
+
+def test_tool_call_arguments_are_rendered_as_objects_as_vllm_renders_them():
+    """vLLM parses an assistant's tool-call `arguments` from their JSON string before the
+    template sees them (invalid, non-object or empty: {}), and drops an empty `tool_calls`;
+    the request's own messages are left untouched."""
+    from kvgate.request.chat_template import as_vllm_renders
+
+    def call(arguments: object) -> dict[str, object]:
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            call('{"city": "Paris"}'), call("not json"), call("[1, 2]"), call(""),
+            call({"already": "an object"})]},
+        {"role": "assistant", "content": "ok", "tool_calls": []},
+    ]  # fmt: skip
+    original = repr(messages)
+    rendered = as_vllm_renders(messages)
+    assert rendered[0] is messages[0]
+    assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == [
+        {"city": "Paris"}, {}, {}, {}, {"already": "an object"}]
+    assert "tool_calls" not in rendered[2]
+    assert repr(messages) == original
