@@ -135,7 +135,8 @@ class Engine:
         if spec.kv_events:
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.events_port}",
+                # a wildcard host binds the PUB socket; a named host makes vLLM connect it
+                "endpoint": f"tcp://*:{self.events_port}",
                 "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
                 "topic": "kv-events",
             })]
@@ -209,7 +210,7 @@ class Engine:
     async def restart(self) -> None:
         """Stop and start again on the same ports: its cache (and KV events' state) are new."""
         await asyncio.to_thread(self.stop)
-        self.start()
+        await asyncio.to_thread(self.start)
         await self.wait_ready()
 
 
@@ -235,7 +236,7 @@ async def running(
     engines = [Engine(spec, directory) for spec in specs]
     try:
         for engine in engines:
-            engine.start()
+            await asyncio.to_thread(engine.start)
         await asyncio.gather(*(engine.wait_ready() for engine in engines))
         yield engines
     finally:

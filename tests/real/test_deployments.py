@@ -41,7 +41,7 @@ async def test_the_endpoint_picker_behind_envoy_serves_a_chat_and_a_stream(
     tree = config.model_dump(mode="json")
     gw = await gateway_factory(epp_config([], pools=tree["pools"], models=tree["models"],
                                           discovery=tree["discovery"], timeouts=tree["timeouts"]))
-    envoy = await envoy_factory(gw, [engines["a"].url, engines["b"].url])
+    envoy = await envoy_factory(gw, [engines[n].url.removeprefix("http://") for n in "ab"])
     client = openai.AsyncOpenAI(base_url=f"{envoy.url}/v1", api_key="x", max_retries=0)
     answer = await client.chat.completions.create(**chat(1))
     assert answer.usage is not None and answer.usage.completion_tokens >= 1
@@ -60,7 +60,9 @@ async def test_two_instances_on_redis_share_a_tenants_limit_and_the_ledgers(
     key = "real-tenant-key"
     tenants = [{"name": "solo", "max_concurrent": 1,
                 "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}]  # fmt: skip
-    config = real_config(engines, ["a", "b"], tenants=tenants, state={"backend": "redis"})
+    state = {"backend": "redis", "redis_url": redis_url, "key_prefix": key_prefix}
+    config = real_config(engines, ["a", "b"], tenants=tenants, state=state,
+                         auth={"mode": "api_key"})
     stores = [RedisStore(redis_url, key_prefix=key_prefix, timeout_s=2.0) for _ in range(2)]
     one, two = [await gateway_factory(config, store=store) for store in stores]
     headers = {"Authorization": f"Bearer {key}"}
@@ -136,7 +138,9 @@ async def test_kvgate_in_a_session_of_its_own_serves_beside_busy_engines(engines
     finally:
         process.terminate()
         await process.wait()
-    assert statuses == [200] * 48, (statuses, log.read_text()[-3000:])
-    assert "is unhealthy" not in log.read_text()
+    text = await asyncio.to_thread(log.read_text)
+    assert statuses == [200] * 48, (statuses, text[-3000:])
+    assert "is unhealthy" not in text
     assert "kvgate_replica_healthy" in metrics
     await wait_idle(engines["a"], engines["b"])
+

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvgate.config import parse_config
 from kvgate.tools.tiny_model import MODEL_NAME
 from tests.plugins.gateway import RunningGateway, wait_released
 from tests.plugins.waiting import eventually
@@ -114,12 +115,11 @@ async def test_a_client_hanging_up_at_each_stage_leaves_nothing_held_or_running(
     engines, gateway_factory
 ):
     engine = engines["b"]
-    # kvgate sees 40 blocks on b: one request of 1,100 tokens at its worst case fills them
+    # kvgate sees 48 blocks on b (43 admissible): one request of 38 blocks at its worst case
+    # (1,200 tokens) leaves no room for a second
     config = real_config(engines, ["b"], admission={"mode": "worst_case"})
     tree = config.model_dump(mode="json")
-    tree["pools"]["default"]["replicas"][0]["num_gpu_blocks"] = 40
-    from kvgate.config import parse_config
-
+    tree["pools"]["default"]["replicas"][0]["num_gpu_blocks"] = 48
     gw = await gateway_factory(parse_config(tree))
     async with aiohttp.ClientSession() as http:
         # 1. mid-stream: the first chunks arrive, then the client goes
