@@ -19,18 +19,21 @@ from typing import Any
 import aiohttp
 
 from kvgate.tools.tiny_model import MODEL_NAME
-from kvgate.tools.vllm_cpu import Engine, EngineSpec, running
+from kvgate.tools.vllm_cpu import Engine, EngineSpec, read_series, running
 
+# dev_mode: each column starts by dropping the engines' prefix caches (/reset_prefix_cache)
 SPECS = {
-    "normal-a": EngineSpec(num_blocks=256, max_model_len=4096),
-    "normal-b": EngineSpec(num_blocks=256, max_model_len=4096),
+    "normal-a": EngineSpec(num_blocks=256, max_model_len=4096, dev_mode=True),
+    "normal-b": EngineSpec(num_blocks=256, max_model_len=4096, dev_mode=True),
     # the workload's documents are 12-20k tokens of this model's small vocabulary
-    "long": EngineSpec(num_blocks=2048, max_model_len=32768, max_num_batched_tokens=4096),
+    "long": EngineSpec(num_blocks=2048, max_model_len=32768, max_num_batched_tokens=4096,
+                       dev_mode=True),
 }
 COUNTERS = {"preemptions": "vllm:num_preemptions_total",
             "prefix_cache_hits": "vllm:prefix_cache_hits_total",
             "prefix_cache_queries": "vllm:prefix_cache_queries_total",
             "finished": "vllm:request_success_total"}  # fmt: skip
+LOAD = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
 
 
 @dataclass
@@ -84,37 +87,14 @@ class RealFleet:
 
 @contextlib.asynccontextmanager
 async def real_fleet() -> AsyncIterator[RealFleet]:
-    """The demo's three engines, with vLLM's dev endpoints (the prefix cache's reset) on."""
-    with _dev_mode():
-        async with running(list(SPECS.values())) as engines:
-            yield RealFleet(dict(zip(SPECS, engines, strict=True)))
-
-
-@contextlib.contextmanager
-def _dev_mode() -> Any:
-    import os
-
-    previous = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = previous
+    """The demo's three engines, started together and stopped on the way out."""
+    async with running(list(SPECS.values())) as engines:
+        yield RealFleet(dict(zip(SPECS, engines, strict=True)))
 
 
 async def _counters(http: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
-    async with http.get(f"{engine.url}/metrics") as response:
-        text = await response.text()
-    wanted = {series: key for key, series in COUNTERS.items()}
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            out[wanted[name]] += float(line.rsplit(" ", 1)[1])
-    return out
+    found = await read_series(http, engine.url, list(COUNTERS.values()))
+    return {key: found[series] for key, series in COUNTERS.items()}
 
 
 async def settle(fleet: RealFleet, timeout_s: float = 60.0) -> None:
@@ -125,10 +105,7 @@ async def settle(fleet: RealFleet, timeout_s: float = 60.0) -> None:
         while loop.time() < deadline:
             busy = 0.0
             for engine in fleet.engines.values():
-                async with http.get(f"{engine.url}/metrics") as response:
-                    for line in (await response.text()).splitlines():
-                        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                            busy += float(line.rsplit(" ", 1)[1])
+                busy += sum((await read_series(http, engine.url, LOAD)).values())
             if not busy:
                 return
             await asyncio.sleep(0.2)

@@ -82,6 +82,8 @@ class EngineSpec:
     cpus: str | None = None
     # Without torch.compile: ready in about 20 s instead of 45 s (CUDA graphs do not exist here).
     eager: bool = True
+    # vLLM's dev endpoints, among them POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE).
+    dev_mode: bool = False
     extra: tuple[str, ...] = ()
 
     @property
@@ -153,6 +155,8 @@ class Engine:
             OMP_NUM_THREADS=str(_count_cpus(self.spec.cpus)),
             TORCHINDUCTOR_CACHE_DIR=str(Path(tempfile.gettempdir()) / "kvgate-vllm-inductor"),
         )
+        if self.spec.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
     def start(self) -> None:
@@ -212,6 +216,21 @@ class Engine:
         await asyncio.to_thread(self.stop)
         await asyncio.to_thread(self.start)
         await self.wait_ready()
+
+
+async def read_series(
+    http: aiohttp.ClientSession, url: str, names: Sequence[str]
+) -> dict[str, float]:
+    """Each named series of an engine's /metrics, summed over its samples (0 when absent)."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    wanted = set(names)
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _count_cpus(cpus: str | None) -> int:

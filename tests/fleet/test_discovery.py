@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvgate.config.routing import DiscoveryConfig
@@ -45,56 +47,52 @@ class Replying:
         return app
 
 
-async def checked(session: aiohttp.ClientSession, replica: Replica, times: int) -> list[bool]:
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Replying, Replica, web.AppRunner]]:
+    """A `Replying` server on a real socket, and the replica kvgate knows it as."""
+    server = Replying()
+    runner, url = await serve_app(server.app())
+    yield server, Replica(ReplicaConfig(url=url), "default"), runner
+    await runner.cleanup()
+
+
+async def checked(replica: Replica, times: int) -> list[bool]:
+    """Discovery's verdict after each of `times` checks."""
     seen = []
-    for _ in range(times):
-        await discover(session, replica, CONFIG)
-        seen.append(replica.healthy)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(times):
+            await discover(session, replica, CONFIG)
+            seen.append(replica.healthy)
     return seen
 
 
-async def test_a_replica_is_unhealthy_after_three_late_checks_in_a_row_not_one():
-    server = Replying()
-    runner, url = await serve_app(server.app())
-    replica = Replica(ReplicaConfig(url=url), "default")
-    try:
-        async with aiohttp.ClientSession() as session:
-            assert await checked(session, replica, 1) == [True]
-            server.delay_s = 0.2
-            assert await checked(session, replica, 3) == [True, True, False]
-            assert replica.last_error is not None and replica.failed_checks == 3
-            server.delay_s = 0.0  # answers in time again: back, and the count starts over
-            assert await checked(session, replica, 1) == [True]
-            server.delay_s = 0.2
-            assert await checked(session, replica, 2) == [True, True]
-            server.delay_s, server.status = 0.0, 500  # failing, not late: counted the same
-            assert await checked(session, replica, 1) == [False]
-    finally:
-        await runner.cleanup()
+async def test_a_replica_is_unhealthy_after_three_late_checks_in_a_row_not_one(served):
+    server, replica, _ = served
+    assert await checked(replica, 1) == [True]
+    server.delay_s = 0.2
+    assert await checked(replica, 3) == [True, True, False]
+    assert replica.last_error is not None and replica.failed_checks == 3
+    server.delay_s = 0.0  # answers in time again: back, and the count starts over
+    assert await checked(replica, 1) == [True]
+    server.delay_s = 0.2
+    assert await checked(replica, 2) == [True, True]
+    server.delay_s, server.status = 0.0, 500  # failing, not late: counted the same
+    assert await checked(replica, 1) == [False]
 
 
-async def test_a_late_check_while_the_replica_answers_requests_is_no_failure():
-    server = Replying()
-    runner, url = await serve_app(server.app())
-    replica = Replica(ReplicaConfig(url=url), "default")
-    try:
-        async with aiohttp.ClientSession() as session:
-            await checked(session, replica, 1)
-            server.delay_s = 0.2
-            for _ in range(5):
-                replica.answered_at = time.monotonic()  # as the transport notes each answer
-                assert await checked(session, replica, 1) == [True]
-            assert replica.failed_checks == 0
-    finally:
-        await runner.cleanup()
+async def test_a_late_check_while_the_replica_answers_requests_is_no_failure(served):
+    server, replica, _ = served
+    await checked(replica, 1)
+    server.delay_s = 0.2
+    for _ in range(5):
+        replica.answered_at = time.monotonic()  # as the transport notes each answer
+        assert await checked(replica, 1) == [True]
+    assert replica.failed_checks == 0
 
 
-async def test_nothing_listening_is_unhealthy_at_once():
-    server = Replying()
-    runner, url = await serve_app(server.app())
-    replica = Replica(ReplicaConfig(url=url), "default")
-    async with aiohttp.ClientSession() as session:
-        assert await checked(session, replica, 1) == [True]
-        await runner.cleanup()
-        assert await checked(session, replica, 1) == [False]
-        assert replica.failed_checks == 1
+async def test_nothing_listening_is_unhealthy_at_once(served):
+    _, replica, runner = served
+    assert await checked(replica, 1) == [True]
+    await runner.cleanup()
+    assert await checked(replica, 1) == [False]
+    assert replica.failed_checks == 1

@@ -23,7 +23,7 @@ import pytest
 from kvgate.config import Config
 from kvgate.tools import vllm_cpu
 from kvgate.tools.tiny_model import MODEL_NAME
-from kvgate.tools.vllm_cpu import Engine, EngineSpec
+from kvgate.tools.vllm_cpu import Engine, EngineSpec, read_series
 from tests.plugins.gateway import gateway_config
 
 FLEET = {
@@ -85,16 +85,14 @@ def real_config(
     return gateway_config([], **tree)
 
 
+SERIES = ["vllm:num_requests_running", "vllm:num_requests_waiting",
+          "vllm:num_preemptions_total"]  # fmt: skip
+
+
 async def vllm_figures(engine: Engine) -> dict[str, float]:
-    """The engine's own /metrics, as `name{labels}` → value, with `vllm:` series only."""
-    async with aiohttp.ClientSession() as http, http.get(f"{engine.url}/metrics") as r:
-        text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:"):
-            name, _, value = line.rpartition(" ")
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
-    return out
+    """The engine's own figures the tests read, each summed over its samples."""
+    async with aiohttp.ClientSession() as http:
+        return await read_series(http, engine.url, SERIES)
 
 
 async def wait_idle(*engines: Engine, timeout_s: float = 30.0) -> None:
