@@ -1,4 +1,4 @@
-"""The fleet benchmark's parts: `bench/fleet.py` is the command that runs them.
+"""The fleet benchmark's parts: `bench/fleet.py` and `bench/real_fleet.py` run them.
 
     workloads.py    the seeded workloads (the demo's `mix`, `realistic`, the trace's) in simulated
                     seconds, with their run settings
@@ -11,4 +11,5 @@
     measure.py      one run: fresh fleet, one contender, one workload at one load; results in
     metrics.py      pure functions from results and scraped counters to the reported figures
     report.py       medians over repeats, the table, the markdown summary, the JSON, the plots
+    real.py         bench/real_fleet.py's fleet: two real vLLM CPU engines, their chats, capacity, one run
 """

@@ -123,15 +123,18 @@ class Running:
 
 async def start(contender: Contender, children: Children, http: aiohttp.ClientSession,
                 fleet: list[Replica], workload: Workload, time_scale: float, run_id: str,
-                ) -> Running:  # fmt: skip
-    """Start the contender's processes against a running fleet; return once it serves."""
+                models: list[dict[str, Any]] | None = None) -> Running:  # fmt: skip
+    """Start the contender's processes against a running fleet; return once it serves.
+    `models`: kvgate's `models` section (real engines: their own tokenizer), else the
+    simulator's where routing needs it."""
     normal = [r.url for r in fleet if r.pool == "default"]
     long = [r.url for r in fleet if r.pool == "long"]
     if contender.kind == "direct":
         return Running({"short": normal, "long": long}, None)
     if contender.kind == "vllm-router":
         return await _start_vllm_router(contender, children, http, normal, long)
-    return await _start_kvgate(contender, children, http, fleet, workload, time_scale, run_id)
+    return await _start_kvgate(contender, children, http, fleet, workload, time_scale, run_id,
+                               models)
 
 
 def available(contender: Contender, workload: Workload | None = None) -> str | None:
@@ -156,6 +159,8 @@ async def _start_vllm_router(contender: Contender, children: Children,
     urls: dict[str, str] = {}
     for pool, workers, policy in (("default", normal, contender.policy),
                                   ("long", long, "round_robin")):  # fmt: skip
+        if not workers:  # a fleet of one pool (bench/real_fleet.py's)
+            continue
         port = free_port()
         children.start(f"vllm-router-{pool}", [
             command, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
@@ -165,11 +170,13 @@ async def _start_vllm_router(contender: Contender, children: Children,
         urls[pool] = f"http://127.0.0.1:{port}"
     for pool, url in urls.items():
         await children.wait_ready(http, f"vllm-router-{pool}", url + "/health")
-    return Running({"short": [urls["default"]], "long": [urls["long"]]}, None)
+    return Running({"short": [urls["default"]], "long": [urls.get("long", urls["default"])]},
+                   None)
 
 
 def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload,
-                  time_scale: float, port: int, redis_prefix: str | None) -> dict[str, Any]:  # fmt: skip
+                  time_scale: float, port: int, redis_prefix: str | None,
+                  models: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """The gateway's config tree (what `kvgate serve --config` reads)."""
     scaled = {name: round(s * time_scale, 4) for name, s in TTFT_TARGET_S.items()}
     admission: dict[str, Any] = {
@@ -190,7 +197,11 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
             entry["kv_events"] = replica.kv_events
             pool["kv_events"] = {}
         pool["replicas"].append(entry)
-    pools["long"]["min_worst_case_tokens"] = workload.long_pool_min_tokens
+    if "long" in pools:
+        pools["long"]["min_worst_case_tokens"] = workload.long_pool_min_tokens
+    if models is None and contender.kv_events:
+        # the chats' token ids, exactly, where routing reads the replicas' caches
+        models = [{"name": MODEL, "tokenizer": SIM_TOKENIZER}]
     state: dict[str, Any] = {"backend": "memory"}
     if redis_prefix is not None:
         state = {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": redis_prefix}
@@ -207,20 +218,18 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
         "tenants": [{**t, "api_key_sha256": [hashlib.sha256(t["name"].encode()).hexdigest()]}
                     for t in TENANTS],
         "state": state,
-        # the chats' token ids, exactly, where routing reads the replicas' caches
-        **({"models": [{"name": MODEL, "tokenizer": SIM_TOKENIZER}]} if contender.kv_events
-           else {}),
+        **({} if models is None else {"models": models}),
     }  # fmt: skip
 
 
 async def _start_kvgate(contender: Contender, children: Children, http: aiohttp.ClientSession,
                         fleet: list[Replica], workload: Workload, time_scale: float,
-                        run_id: str) -> Running:  # fmt: skip
+                        run_id: str, models: list[dict[str, Any]] | None) -> Running:  # fmt: skip
     prefix = f"kvgate-bench-{run_id}" if contender.redis else None
     urls = []
     for n in range(contender.instances):
         port = free_port()
-        config = kvgate_config(contender, fleet, workload, time_scale, port, prefix)
+        config = kvgate_config(contender, fleet, workload, time_scale, port, prefix, models)
         path = children.logs / f"kvgate-{n}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         tree = None if contender.tree is None else Path(contender.tree)
