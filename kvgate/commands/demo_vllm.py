@@ -22,12 +22,13 @@ from kvgate.tools.tiny_model import MODEL_NAME
 from kvgate.tools.vllm_cpu import Engine, EngineSpec, read_series, running
 
 # dev_mode: each column starts by dropping the engines' prefix caches (/reset_prefix_cache)
+# Each engine bound to a core (the long one shares the first): unbound, their threads contend.
 SPECS = {
-    "normal-a": EngineSpec(num_blocks=256, max_model_len=4096, dev_mode=True),
-    "normal-b": EngineSpec(num_blocks=256, max_model_len=4096, dev_mode=True),
+    "normal-a": EngineSpec(num_blocks=256, max_model_len=4096, cpus="0", dev_mode=True),
+    "normal-b": EngineSpec(num_blocks=256, max_model_len=4096, cpus="1", dev_mode=True),
     # the workload's documents are 12-20k tokens of this model's small vocabulary
     "long": EngineSpec(num_blocks=2048, max_model_len=32768, max_num_batched_tokens=4096,
-                       dev_mode=True),
+                       cpus="0", dev_mode=True),
 }
 COUNTERS = {"preemptions": "vllm:num_preemptions_total",
             "prefix_cache_hits": "vllm:prefix_cache_hits_total",

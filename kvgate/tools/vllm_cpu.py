@@ -78,7 +78,9 @@ class EngineSpec:
     kv_events: bool = False  # publish KV cache events over ZMQ (and serve their replay)
     max_num_queued_reqs: int | None = None  # vLLM answers 503 past this many waiting
     scheduling_policy: str = "fcfs"  # or "priority"
-    # The cores its threads may use ("0", "1", "0-1"); None: every core, unbound.
+    # The cores it is bound to ("0", "1", "0-1"), one OpenMP thread each; None: unbound, one
+    # thread. Never more threads than cores: several engines' spinning OpenMP threads on two
+    # cores cut the fleet's throughput about twelvefold (bench/results/real-fleet-2026-12-07.md).
     cpus: str | None = None
     # Without torch.compile: ready in about 20 s instead of 45 s (CUDA graphs do not exist here).
     eager: bool = True
@@ -152,7 +154,7 @@ class Engine:
             # The KV cache is sized by --num-gpu-blocks-override; this only bounds it (GiB).
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_CPU_OMP_THREADS_BIND=self.spec.cpus or "nobind",
-            OMP_NUM_THREADS=str(_count_cpus(self.spec.cpus)),
+            OMP_NUM_THREADS=str(_count_cpus(self.spec.cpus) if self.spec.cpus else 1),
             TORCHINDUCTOR_CACHE_DIR=str(Path(tempfile.gettempdir()) / "kvgate-vllm-inductor"),
         )
         if self.spec.dev_mode:

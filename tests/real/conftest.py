@@ -26,10 +26,10 @@ from kvgate.tools.tiny_model import MODEL_NAME
 from kvgate.tools.vllm_cpu import Engine, EngineSpec, read_series
 from tests.plugins.gateway import gateway_config
 
-FLEET = {
-    "a": EngineSpec(num_blocks=256, kv_events=True),
-    "b": EngineSpec(num_blocks=256, kv_events=True),
-    "busy": EngineSpec(num_blocks=64, max_num_seqs=8, max_num_queued_reqs=2),
+FLEET = {  # each bound to a core: unbound engines' threads contend for the two
+    "a": EngineSpec(num_blocks=256, kv_events=True, cpus="0"),
+    "b": EngineSpec(num_blocks=256, kv_events=True, cpus="1"),
+    "busy": EngineSpec(num_blocks=64, max_num_seqs=8, max_num_queued_reqs=2, cpus="0"),
 }
 
 
