@@ -33,7 +33,7 @@ from aiohttp import web
 from kvgate.api.routes import GATEWAY
 from kvgate.app import EPP, build_app
 from kvgate.commands import demo_plot
-from kvgate.commands.demo_vllm import RealFleet, real_fleet, settle
+from kvgate.commands.demo_vllm import LONG_WORDS, RealFleet, real_fleet, settle
 from kvgate.config import Config, parse_config
 from kvgate.epp.envoy import bootstrap, envoy_binary
 from kvgate.epp.server import EppServer
@@ -175,8 +175,11 @@ async def _demo(args: argparse.Namespace, engines: RealFleet | None) -> int:
         async with a_fleet() as fleet:
             return await _serve(args, fleet)
 
-    model = engines.model if engines is not None else SIM_MODEL
-    items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate, model=model)
+    if engines is not None:
+        items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate,
+                               model=engines.model, long_words=LONG_WORDS)
+    else:
+        items = build_workload(seed=args.seed, duration_s=args.duration, rate=args.rate)
     report: dict[str, Any] = {"workload": {
         "requests": len(items), "duration_s": args.duration, "rate_per_s": args.rate,
         "long": sum(1 for i in items if i.kind == "long"), "time_scale": args.time_scale,

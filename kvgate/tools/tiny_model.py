@@ -25,7 +25,7 @@ VOCAB_SIZE = 384
 SEED = 20261207
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
-MAX_POSITION_EMBEDDINGS = 16384
+MAX_POSITION_EMBEDDINGS = 32768
 
 # ChatML, as Qwen-style templates write it: the tools in a system block, tool calls as JSON
 # inside <tool_call>, content given as a string or as typed parts. Newlines are written as

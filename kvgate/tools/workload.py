@@ -66,7 +66,9 @@ def build_workload(
     long_fraction: float = 0.08,
     variant_fraction: float = 0.25,
     model: str = "sim-model",
+    long_words: tuple[int, int] = (3500, 5000),
 ) -> list[WorkItem]:
+    """`long_words`: a long document's length in words, at least and at most."""
     rng = random.Random(seed)
     items: list[WorkItem] = []
     t = 0.0
@@ -75,7 +77,7 @@ def build_workload(
         if t >= duration_s:
             return items
         if rng.random() < long_fraction:
-            words = rng.randint(3500, 5000)
+            words = rng.randint(*long_words)
             document = " ".join(rng.choice(TOPICS) for _ in range(words))
             body = {
                 "model": model,
