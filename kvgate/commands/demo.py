@@ -504,7 +504,7 @@ def render(report: dict[str, Any]) -> str:
              f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) {unit} "
              f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds.",
              "refused at arrival: chats whose class has a latency target in kvgate "
-             f"({', '.join(f'{c} {s:g} s' for c, s in TTFT_TARGETS_S.items())} simulated;",
+             f"({', '.join(f'{c} {s:g} s' for c, s in TTFT_TARGETS_S.items())} {unit};",
              "vip is critical, chat-app standard) that kvgate expected to start later: 429 "
              "wait_budget_exceeded at once, with Retry-After. batch (sheddable) has no target:",
              "it waits for room (up to max_wait_s), as it would on vLLM."]
