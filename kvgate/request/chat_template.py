@@ -33,6 +33,9 @@ class ChatTemplate:
     source: str
     special_tokens: Mapping[str, str]
     _render: Callable[..., str]
+    # How vLLM hands this template a message's content (`content_format`): "string", or
+    # "openai" (a list of typed parts).
+    content_format: str = "string"
 
     def render(
         self,
@@ -44,32 +47,111 @@ class ChatTemplate:
     ) -> str:
         context: dict[str, Any] = {**self.special_tokens, **(extra or {})}
         context.update(
-            messages=as_vllm_renders(messages), tools=tools,
+            messages=as_vllm_renders(messages, self.content_format), tools=tools,
             add_generation_prompt=add_generation_prompt,
         )
         return self._render(**context)
 
 
-def as_vllm_renders(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The messages as vLLM hands them to the template: an assistant's tool calls carry their
-    `arguments` as an object, parsed from the JSON string the OpenAI API sends (not valid
-    JSON, not an object, or empty: `{}`), and an empty `tool_calls` list is dropped. The
-    request's own messages are left as they are; only those that change are copied.
-    Found on a real vLLM (0.32's `_postprocess_messages`): without it every chat with a
-    tool call in its history was over-counted by the JSON string's quoting."""
+def as_vllm_renders(
+    messages: Sequence[Mapping[str, Any]], content_format: str = "string"
+) -> list[Mapping[str, Any]]:
+    """The messages as vLLM hands them to the template. Their content in the template's
+    format: for a "string" template, typed text parts joined by newlines; for an "openai"
+    one, a string as one text part. An assistant's tool calls carry their `arguments` as an
+    object, parsed from the JSON string the OpenAI API sends (not valid JSON, not an object,
+    or empty: `{}`), and an empty `tool_calls` list is dropped. The request's own messages
+    are left as they are; only those that change are copied. Found on a real vLLM (0.32's
+    `_postprocess_messages`): without it every chat with a tool call in its history was
+    over-counted by the JSON string's quoting."""
     out: list[Mapping[str, Any]] = []
     for message in messages:
+        content = _content_as(message.get("content"), content_format)
         calls = message.get("tool_calls")
-        if message.get("role") != "assistant" or not isinstance(calls, list):
+        calls_change = message.get("role") == "assistant" and isinstance(calls, list)
+        if content is message.get("content") and not calls_change:
             out.append(message)
             continue
         copy = dict(message)
-        if not calls:
+        if "content" in message:
+            copy["content"] = content
+        if calls_change and not calls:
             del copy["tool_calls"]
-        else:
-            copy["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
+        elif calls_change:
+            copy["tool_calls"] = [_with_parsed_arguments(call) for call in calls or ()]
         out.append(copy)
     return out
+
+
+def _content_as(content: Any, content_format: str) -> Any:
+    """A message's content as vLLM renders it for a template of this format (the same
+    object when nothing changes)."""
+    if content_format == "openai" and isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if content_format == "string" and isinstance(content, list):
+        texts = [part.get("text") for part in content
+                 if isinstance(part, dict) and part.get("type") == "text"]
+        return "\n".join(t for t in texts if isinstance(t, str))
+    return content
+
+
+def content_format(source: str) -> str:
+    """"openai" if the template loops over a message's content (so vLLM hands it typed parts),
+    else "string" (vLLM joins the text parts). vLLM decides the same way, from the template's
+    syntax tree: a `for` over `<message>['content']` (or `.content`, filtered or sliced, or a
+    variable set from it), where `<message>` is the variable of a loop over `messages` (or over
+    a variable set from it). Content handed to a macro is not followed."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.exceptions.TemplateError:
+        return "string"
+
+    def unwrap(node: nodes.Node) -> nodes.Node:
+        """Through filters, tests and slices to what they read."""
+        while isinstance(node, nodes.Filter | nodes.Test) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+        ):
+            node = node.node  # type: ignore[assignment]
+        return node
+
+    def named(node: nodes.Node, names: set[str]) -> bool:
+        node = unwrap(node)
+        return isinstance(node, nodes.Name) and node.name in names
+
+    def aliases(names: set[str], also: Callable[[nodes.Node], bool] = lambda n: False) -> set[str]:
+        """`names` and every variable `set` from one of them (or from what `also` accepts)."""
+        found, grew = set(names), True
+        while grew:
+            grew = False
+            for assign in tree.find_all(nodes.Assign):
+                target = assign.target
+                if isinstance(target, nodes.Name) and target.name not in found and (
+                        named(assign.node, found) or also(assign.node)):
+                    found.add(target.name)
+                    grew = True
+        return found
+
+    lists = aliases({"messages"})
+    loops = {loop.target.name for loop in tree.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and named(loop.iter, lists)}
+
+    def content_of_a_message(node: nodes.Node) -> bool:
+        node = unwrap(node)
+        if isinstance(node, nodes.Getattr):
+            return named(node.node, loops) and node.attr == "content"
+        if isinstance(node, nodes.Getitem):
+            return (named(node.node, loops) and isinstance(node.arg, nodes.Const)
+                    and node.arg.value == "content")
+        return False
+
+    contents = aliases(set(), also=content_of_a_message)
+    for loop in tree.find_all(nodes.For):
+        if content_of_a_message(loop.iter) or named(loop.iter, contents):
+            return "openai"
+    return "string"
 
 
 def _with_parsed_arguments(call: Any) -> Any:
@@ -109,7 +191,8 @@ def compile_template(source: str, special_tokens: Mapping[str, str] | None = Non
         template = env.from_string(source)
     except jinja2.exceptions.TemplateError as exc:
         raise TokenizerError(f"the chat template does not compile: {exc}") from exc
-    return ChatTemplate(source, dict(special_tokens or {}), template.render)
+    return ChatTemplate(source, dict(special_tokens or {}), template.render,
+                        content_format(source))
 
 
 def load_template(path: Path) -> ChatTemplate:

@@ -5,6 +5,8 @@ vLLM's CPU build serves it with `--load-format dummy` (random weights, nothing d
   tokenizer.json         a byte-level BPE trained here with `tokenizers` on a seeded corpus
   tokenizer_config.json  its special tokens and a ChatML chat template that renders tools
   generation_config.json BOS and EOS, so vLLM stops on EOS as it would for a real model
+  chat_template_string.jinja  the same turns as a "string" template (`--chat-template`)
+  chat_template_string.jinja  the same turns as a "string" template (`--chat-template`)
 
 With random weights the next token is close to uniform over the vocabulary, so an answer ends
 on EOS after about `VOCAB_SIZE` tokens on average (a geometric length, unknown in advance, as
@@ -47,7 +49,34 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{%- endif %}"
 )
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "be", "by", "at", "this", "are", "from", "or", "an", "have", "not", "they", "which", "one", "you", "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him", "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "cache", "block", "token", "prompt", "request", "replica", "gateway", "queue", "tenant", "model", "answer", "document", "summary", "chat", "stream", "budget", "admission", "prefix", "memory", "decode", "prefill", "schedule"]
+# The same turns as a "string" template (vLLM hands it each message's text parts joined by
+# newlines, where the ChatML one above loops over typed parts): what most models' templates
+# are. Served with `--chat-template` by the engine that checks kvgate's count against it.
+STRING_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}[{{ message['role'] | upper }}]"
+    "{%- if message['content'] is string %} {{ message['content'] | trim }}{%- endif %}"
+    "{%- if message.get('tool_calls') %}{%- for call in message['tool_calls'] %}"
+    " CALL {{ call['function']['name'] }}({{ call['function']['arguments'] | tojson }})"
+    "{%- endfor %}{%- endif %}{{ eos_token }}{{ '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}[ASSISTANT]{%- endif %}"
+)
+STRING_TEMPLATE_FILE = "chat_template_string.jinja"
+
+_WORD_TEXT = (
+    "the of and to in is that for it as with was on be by at this are from or an have not "
+    "they which one you were all we her she there would their will when who him been has more "
+    "if no out so said what up its about into than them can only other new some could time "
+    "these two may then do first any my now such like our over man me even most made after "
+    "also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see "
+    "men work long get here between both life being under never day same another know while "
+    "last might us great old year off come since against go came right used take three cache "
+    "block token prompt request replica gateway queue tenant model answer document summary "
+    "chat stream budget admission prefix memory decode prefill schedule"
+)
+_WORDS = _WORD_TEXT.split()
 _EXTRA = ["42", "2026-12-07", "3.14", "{", "}", "[", "]", "\":", "\",", "def", "return",
           "café", "naïve", "日本語", "Ünïcödé", "ü", "é", "—", "😀", "\n\n", "    "]
 
@@ -129,6 +158,7 @@ def files(vocab_size: int = VOCAB_SIZE, seed: int = SEED) -> dict[str, str]:
         "tokenizer.json": tokenizer_json(vocab_size, seed),
         "tokenizer_config.json": dump(tokenizer_config),
         "generation_config.json": dump(generation),
+        STRING_TEMPLATE_FILE: STRING_TEMPLATE,
     }
 
 

@@ -7,6 +7,7 @@ nothing waiting. Without vLLM's CPU build the suite fails under CI and skips els
 
     engines["a"], engines["b"]   256 blocks of 32 tokens each, KV events on
     engines["busy"]              64 blocks, at most 2 unfinished requests (503 past that)
+    engines["string"]            160 blocks, a "string" chat template instead of the model's
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ import pytest
 
 from kvgate.config import Config
 from kvgate.tools import vllm_cpu
-from kvgate.tools.tiny_model import MODEL_NAME
+from kvgate.tools.tiny_model import MODEL_NAME, STRING_TEMPLATE_FILE
 from kvgate.tools.vllm_cpu import Engine, EngineSpec, read_series
 from tests.plugins.gateway import gateway_config
 
+STRING_TEMPLATE = vllm_cpu.default_model_dir() / STRING_TEMPLATE_FILE
 FLEET = {  # each bound to a core: unbound engines' threads contend for the two
     "a": EngineSpec(num_blocks=256, kv_events=True, cpus="0"),
     "b": EngineSpec(num_blocks=256, kv_events=True, cpus="1"),
     "busy": EngineSpec(num_blocks=64, max_num_seqs=8, max_num_queued_reqs=2, cpus="0"),
+    # the model's chat template replaced by a "string" one (content handed over as text)
+    "string": EngineSpec(num_blocks=160, cpus="1",
+                         extra=("--chat-template", str(STRING_TEMPLATE))),
 }
 
 
@@ -73,7 +78,12 @@ def real_config(
     pool: dict[str, Any] = {"replicas": replicas}
     if any(engines[n].spec.kv_events for n in names):
         pool["kv_events"] = {}
-    tokenizer = {"kind": "huggingface", "file": str(engines[names[0]].model_dir / "tokenizer.json")}
+    first = engines[names[0]]
+    tokenizer: dict[str, Any] = {"kind": "huggingface",
+                                 "file": str(first.model_dir / "tokenizer.json")}
+    if "--chat-template" in first.spec.extra:  # the template it serves, not the model's
+        extra = first.spec.extra
+        tokenizer["template_file"] = extra[extra.index("--chat-template") + 1]
     tree: dict[str, Any] = {
         "pools": {"default": pool},
         "models": [{"name": MODEL_NAME, "tokenizer": tokenizer}],

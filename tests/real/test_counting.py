@@ -72,15 +72,22 @@ async def prompt_tokens(http: aiohttp.ClientSession, url: str, body: dict[str, A
         return int(answer["usage"]["prompt_tokens"])
 
 
-async def test_kvgates_count_equals_vllms_prompt_tokens_on_120_varied_chats(engines):
-    counter = Catalog(real_config(engines, ["a"])).counter(MODEL_NAME)
+@pytest.mark.parametrize(("engine", "content_format"), [("a", "openai"), ("string", "string")])
+async def test_kvgates_count_equals_vllms_prompt_tokens_on_120_varied_chats(
+    engines, engine, content_format
+):
+    """With the model's own template, which loops over typed content parts, and with a
+    "string" template, to which vLLM hands each message's text parts joined by newlines."""
+    counter = Catalog(real_config(engines, [engine])).counter(MODEL_NAME)
+    assert counter.template is not None
+    assert counter.template.content_format == content_format
     bodies = [varied_chat(seed) for seed in range(120)]
     async with aiohttp.ClientSession() as http:
         reported: list[int] = []
         for start in range(0, len(bodies), 12):
             batch = bodies[start:start + 12]
             reported += await asyncio.gather(
-                *(prompt_tokens(http, engines["a"].url, b) for b in batch))
+                *(prompt_tokens(http, engines[engine].url, b) for b in batch))
     misses = []
     for seed, (body, vllm_count) in enumerate(zip(bodies, reported, strict=True)):
         count = await counter.count_chat(body["messages"], body.get("tools"))
@@ -89,7 +96,7 @@ async def test_kvgates_count_equals_vllms_prompt_tokens_on_120_varied_chats(engi
             misses.append((seed, count.features.text_tokens, vllm_count))
     assert misses == [], f"(seed, kvgate, vLLM): {misses}"
     assert max(reported) > 1000 and min(reported) < 80  # long and short ones both
-    await wait_idle(engines["a"])
+    await wait_idle(engines[engine])
 
 
 async def test_through_kvgate_the_estimate_is_exact(engines, gateway_factory):

@@ -159,3 +159,42 @@ def test_tool_call_arguments_are_rendered_as_objects_as_vllm_renders_them():
         {"city": "Paris"}, {}, {}, {}, {"already": "an object"}]
     assert "tool_calls" not in rendered[2]
     assert repr(messages) == original
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    # loops over a message's content: vLLM hands it typed parts
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    # through variables set from messages and from the content
+    ("{% set rest = messages[1:] %}{% for m in rest %}{% set c = m['content'] %}"
+     "{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    # prints the content, tests it, trims it: a string
+    ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] | trim }}{% endif %}"
+     "{% endfor %}", "string"),
+    # a loop over something else of the message is not a loop over its content
+    ("{% for m in messages %}{% for c in m['tool_calls'] %}{{ c.id }}{% endfor %}"
+     "{{ m['content'] }}{% endfor %}", "string"),
+])  # fmt: skip
+def test_the_content_format_is_read_from_the_template_as_vllm_reads_it(source, expected):
+    from kvgate.request.chat_template import content_format
+
+    assert content_format(source) == expected
+
+
+def test_content_is_handed_to_each_template_in_its_format():
+    """A "string" template gets text parts joined by newlines (other parts dropped); an
+    "openai" one gets a string as one text part."""
+    from kvgate.request.chat_template import as_vllm_renders
+
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
+             {"type": "text", "text": "b"}]  # fmt: skip
+    messages = [{"role": "user", "content": parts}, {"role": "user", "content": "c"}]
+    as_string = as_vllm_renders(messages, "string")
+    assert [m["content"] for m in as_string] == ["a\nb", "c"]
+    assert as_string[1] is messages[1]
+    as_parts = as_vllm_renders(messages, "openai")
+    assert as_parts[0] is messages[0]
+    assert as_parts[1]["content"] == [{"type": "text", "text": "c"}]
+    assert messages[1]["content"] == "c"
