@@ -220,7 +220,8 @@ class Catalog:
         loaded = previous._tokenizers if previous is not None else {}
         tokenizers: dict[TokenizerConfig, Tokenizer] = {}
         templates: dict[TokenizerConfig, ChatTemplate | None] = {}  # found here, not per request
-        by_path: dict[Path, ChatTemplate | None] = {}
+        # a template with the tokenizer whose special tokens it takes
+        by_path: dict[tuple[Path, Path | None], ChatTemplate | None] = {}
         for model in [*config.models, config.default_model]:
             t = model.tokenizer
             if t not in tokenizers:
@@ -230,9 +231,10 @@ class Catalog:
                 tokenizers[t] = tokenizer
             if t not in templates:
                 path = template_path(t)
-                templates[t] = None if path is None else by_path.get(path) or load_template(path)
+                templates[t] = None if path is None else (
+                    by_path.get((path, t.file)) or load_template(path, t.file))
                 if path is not None:
-                    by_path[path] = templates[t]
+                    by_path[(path, t.file)] = templates[t]
         self.config = config
         self._tokenizers: dict[TokenizerConfig, Tokenizer] = tokenizers
         self._templates = templates

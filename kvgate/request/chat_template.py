@@ -57,7 +57,7 @@ def as_vllm_renders(
     messages: Sequence[Mapping[str, Any]], content_format: str = "string"
 ) -> list[Mapping[str, Any]]:
     """The messages as vLLM hands them to the template. Their content in the template's
-    format: for a "string" template, typed text parts joined by newlines; for an "openai"
+    format: for a "string" template, its non-empty text parts joined by newlines; for an "openai"
     one, a string as one text part. An assistant's tool calls carry their `arguments` as an
     object, parsed from the JSON string the OpenAI API sends (not valid JSON, not an object,
     or empty: `{}`), and an empty `tool_calls` list is dropped. The request's own messages
@@ -73,8 +73,7 @@ def as_vllm_renders(
             out.append(message)
             continue
         copy = dict(message)
-        if "content" in message:
-            copy["content"] = content
+        copy["content"] = content
         if calls_change and not calls:
             del copy["tool_calls"]
         elif calls_change:
@@ -85,13 +84,15 @@ def as_vllm_renders(
 
 def _content_as(content: Any, content_format: str) -> Any:
     """A message's content as vLLM renders it for a template of this format (the same
-    object when nothing changes)."""
+    object when nothing changes): no content is no parts, so an empty string or list."""
+    if content is None:
+        return [] if content_format == "openai" else ""
     if content_format == "openai" and isinstance(content, str):
         return [{"type": "text", "text": content}]
     if content_format == "string" and isinstance(content, list):
         texts = [part.get("text") for part in content
                  if isinstance(part, dict) and part.get("type") == "text"]
-        return "\n".join(t for t in texts if isinstance(t, str))
+        return "\n".join(t for t in texts if isinstance(t, str) and t)  # vLLM skips empty ones
     return content
 
 
@@ -195,15 +196,18 @@ def compile_template(source: str, special_tokens: Mapping[str, str] | None = Non
                         content_format(source))
 
 
-def load_template(path: Path) -> ChatTemplate:
+def load_template(path: Path, tokenizer_file: Path | None = None) -> ChatTemplate:
     """From a `tokenizer_config.json` (its `chat_template`, a string or the list of named
-    templates HF allows, of which "default" is used) or from a plain `.jinja` file."""
+    templates HF allows, of which "default" is used) or from a plain `.jinja` file. A `.jinja`
+    file takes its special tokens (`bos_token`, `eos_token`, ...) from the
+    `tokenizer_config.json` beside `tokenizer_file`, as vLLM's `--chat-template` does from the
+    model's tokenizer: without them `{{ bos_token }}` renders empty and every count is short."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TokenizerError(f"cannot read chat template {path}: {exc.strerror or exc}") from None
     if path.suffix != ".json":
-        return compile_template(text)
+        return compile_template(text, _special_tokens(_beside(tokenizer_file)))
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -215,6 +219,17 @@ def load_template(path: Path) -> ChatTemplate:
     if not isinstance(source, str) or not source:
         raise TokenizerError(f"{path} has no chat_template")
     return compile_template(source, _special_tokens(config))
+
+
+def _beside(tokenizer_file: Path | None) -> dict[str, Any]:
+    """The `tokenizer_config.json` beside a tokenizer file, or nothing."""
+    if tokenizer_file is None:
+        return {}
+    try:
+        config = json.loads((tokenizer_file.parent / "tokenizer_config.json").read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def find_template(tokenizer_file: Path | None) -> Path | None:

@@ -189,12 +189,28 @@ def test_content_is_handed_to_each_template_in_its_format():
     from kvgate.request.chat_template import as_vllm_renders
 
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
-             {"type": "text", "text": "b"}]  # fmt: skip
+             {"type": "text", "text": ""}, {"type": "text", "text": "b"}]  # fmt: skip
     messages = [{"role": "user", "content": parts}, {"role": "user", "content": "c"}]
     as_string = as_vllm_renders(messages, "string")
-    assert [m["content"] for m in as_string] == ["a\nb", "c"]
+    assert [m["content"] for m in as_string] == ["a\nb", "c"]  # empty parts skipped, as vLLM does
     assert as_string[1] is messages[1]
     as_parts = as_vllm_renders(messages, "openai")
     assert as_parts[0] is messages[0]
     assert as_parts[1]["content"] == [{"type": "text", "text": "c"}]
     assert messages[1]["content"] == "c"
+    # no content at all (an assistant's tool call): no parts
+    calling = [{"role": "assistant", "content": None, "tool_calls": []}]
+    assert as_vllm_renders(calling, "string")[0]["content"] == ""
+    assert as_vllm_renders(calling, "openai")[0]["content"] == []
+
+
+def test_a_jinja_template_takes_its_special_tokens_from_the_tokenizer_beside_it(tmp_path):
+    """As vLLM's --chat-template does: `{{ bos_token }}` is the model's BOS, not empty."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}"
+                        "{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert load_template(template, tmp_path / "tokenizer.json").render(messages) == "<s>hi</s>"
+    assert load_template(template).render(messages) == "hi"
