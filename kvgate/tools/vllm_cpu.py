@@ -268,3 +268,53 @@ def pinned(specs: Sequence[EngineSpec]) -> list[EngineSpec]:
     """The specs with each engine bound to a core of its own, round robin over the cores."""
     cores = os.cpu_count() or 1
     return [replace(spec, cpus=str(i % cores)) for i, spec in enumerate(specs)]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[list[EngineSpec], Path | None]:
+    """`./scripts/vllm-cpu serve`'s flags: the engines' specs, and where the model goes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="./scripts/vllm-cpu serve",
+        description="Serve the tiny model from vLLM's CPU build until Ctrl-C (docs/real-vllm.md).")
+    parser.add_argument("--engines", type=int, default=1, help="how many (1)")
+    parser.add_argument("--blocks", type=int, default=256, help="KV blocks each (256)")
+    parser.add_argument("--block-size", type=int, default=32, help="a multiple of 32 (32)")
+    parser.add_argument("--max-model-len", type=int, help="(4,096, or what the blocks hold)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-events", action="store_true", help="publish KV cache events")
+    parser.add_argument("--max-num-queued-reqs", type=int, help="503 past this many unfinished")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    parser.add_argument("--unpinned", action="store_true",
+                        help="leave the engines unbound (default: one core each, round robin)")
+    parser.add_argument("--model-dir", type=Path, help=f"(default: {default_model_dir()})")
+    args = parser.parse_args(argv)
+    spec = EngineSpec(
+        num_blocks=args.blocks, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_events=args.kv_events, max_num_queued_reqs=args.max_num_queued_reqs,
+        scheduling_policy=args.scheduling_policy,
+    )
+    specs = [spec] * args.engines
+    return (specs if args.unpinned else pinned(specs)), args.model_dir
+
+
+async def serve(specs: Sequence[EngineSpec], model_dir: Path | None) -> None:
+    """Start the engines, say where they are, and keep them until Ctrl-C or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with running(specs, model_dir) as engines:
+        for engine in engines:
+            events = f", KV events {engine.kv_events}" if engine.spec.kv_events else ""
+            print(f"{engine.url}  model {MODEL_NAME}, {engine.spec.num_blocks} blocks of "
+                  f"{engine.spec.block_size}, cores {engine.spec.cpus or 'any'}{events}",
+                  flush=True)
+        print("Ctrl-C to stop.", flush=True)
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(*parse_args()))
