@@ -86,13 +86,13 @@ CHATS = Workload("chats", build_chats, 1 << 30, {}, warmup_s=0.0, duration_s=0.0
 def specs(cores: str) -> list[vllm_cpu.EngineSpec]:
     """Two engines of 256 blocks of 32 tokens; `cores` "pinned" (one core each) or
     "unpinned" (both may use both cores)."""
-    spec = vllm_cpu.EngineSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    # dev mode: /reset_prefix_cache between runs
+    spec = vllm_cpu.EngineSpec(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dev_mode=True)
     return vllm_cpu.pinned([spec, spec]) if cores == "pinned" else [spec, spec]
 
 
 @contextlib.asynccontextmanager
 async def engines(cores: str) -> Any:
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between runs
     async with vllm_cpu.running(specs(cores)) as started:
         yield started
 

@@ -1,7 +1,7 @@
 """`kvgate demo`: a simulated fleet on loopback with kvgate in front, in one process.
 
-Two normal replicas and one long-context replica (the vLLM simulator), and kvgate with
-in-memory state. Without `--workload` it serves until Ctrl-C and tells you where to point an
+Two normal replicas and one long-context replica (the vLLM simulator, demo_sim.py; with
+`--vllm`, real vLLM engines, demo_vllm.py), and kvgate with in-memory state. Without `--workload` it serves until Ctrl-C and tells you where to point an
 OpenAI client. With `--workload` it drives the same seeded mixed workload four times, each on
 a fresh fleet — straight at the replicas with the same routing but no admission control (long
 documents to the long replica, chats round robin over the others), through kvgate admitting on
@@ -23,7 +23,6 @@ import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +32,16 @@ from aiohttp import web
 from kvgate.api.routes import GATEWAY
 from kvgate.app import EPP, build_app
 from kvgate.commands import demo_plot
+from kvgate.commands.demo_sim import SimFleet, start_fleet, stop_fleet
 from kvgate.commands.demo_vllm import LONG_WORDS, RealFleet, real_fleet, settle
 from kvgate.config import Config, parse_config
 from kvgate.epp.envoy import bootstrap, envoy_binary
 from kvgate.epp.server import EppServer
 from kvgate.request.tokens import load_tiktoken
-from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 from kvgate.tools import vllm_cpu
 from kvgate.tools.workload import build_workload, goodput, run_workload, summarize
 
-SIM_MODEL = SimConfig.served_model_name  # what the simulator serves
-# Sized so the workload overloads the normal replicas: 6,400 tokens of KV each.
-FLEET: dict[str, dict[str, Any]] = {
-    "normal-a": dict(num_gpu_blocks=400, max_model_len=4096, seed=1),
-    "normal-b": dict(num_gpu_blocks=400, max_model_len=4096, seed=2),
-    "long": dict(num_gpu_blocks=2400, max_model_len=16384, max_num_batched_tokens=8192, seed=3),
-}
-# Answers use 60-100% of max_tokens: near the worst case, where overload makes vLLM preempt.
-OUTPUT_LEN_DIST, OUTPUT_LEN_MIN_FRACTION = "uniform", 0.6
 # A tenant's API key is its name ("demo" for the anonymous tenant); the workload driver names
 # its tenant in the X-Tenant-Id header instead, which kvgate trusts from 127.0.0.1.
 TENANTS: list[dict[str, Any]] = [
@@ -258,27 +248,6 @@ async def _serve(args: argparse.Namespace, fleet: Fleet) -> int:
     return 0
 
 
-@dataclass
-class SimFleet:
-    """The simulated replicas by name, with the face a RealFleet has."""
-
-    replicas: dict[str, SimReplica]
-    model: str = SIM_MODEL
-
-    def url(self, name: str) -> str:
-        return self.replicas[name].url
-
-    def tokenizer_file(self) -> str | None:
-        return None  # the simulator counts with cl100k, kvgate's default
-
-    async def stats(self) -> dict[str, dict[str, Any]]:
-        return replica_stats(self.replicas)
-
-    def describe(self) -> list[str]:
-        return [f"  {name:9} {r.url}  {r.config.num_gpu_blocks} blocks, "
-                f"max_model_len {r.config.max_model_len}" for name, r in self.replicas.items()]
-
-
 Fleet = SimFleet | RealFleet
 
 
@@ -293,22 +262,6 @@ def top_hint(url: str) -> str:
             f"terminal, then in another\n  kvgate top --url {url} --admin-key {DEMO_ADMIN_KEY} "
             "--once   "
             "(one frame, for scripts; without --once it refreshes in place)")
-
-
-async def start_fleet(tokenizer: Any, time_scale: float) -> dict[str, SimReplica]:
-    fleet = {}
-    for name, knobs in FLEET.items():
-        config = SimConfig(**knobs, time_scale=time_scale, output_len_dist=OUTPUT_LEN_DIST,
-                           output_len_min_fraction=OUTPUT_LEN_MIN_FRACTION)
-        replica = SimReplica(config, tokenizer=tokenizer)
-        await replica.start()
-        fleet[name] = replica
-    return fleet
-
-
-async def stop_fleet(fleet: dict[str, SimReplica]) -> None:
-    for replica in fleet.values():
-        await replica.stop()
 
 
 async def column(results: list[Any], fleet: Fleet, args: argparse.Namespace
@@ -419,21 +372,6 @@ async def _until_discovered(app: web.Application) -> None:
         if all(r.healthy and r.num_gpu_blocks for r in registry):
             return
         await asyncio.sleep(0.05)
-
-
-def replica_stats(fleet: dict[str, SimReplica]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name, replica in fleet.items():
-        stats = replica.engine.stats
-        queries = stats.prefix_cache_queries
-        out[name] = {
-            "finished": stats.finished,
-            "preemptions": stats.num_preemptions,
-            "prefix_hit_rate": round(stats.prefix_cache_hits / queries, 3) if queries else None,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_queries": queries,
-        }
-    return out
 
 
 def banner(url: str, fleet: Fleet, envoy_url: str | None = None) -> str:

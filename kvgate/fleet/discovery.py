@@ -48,9 +48,8 @@ async def discover(
         if late and time.monotonic() - replica.answered_at < recent:
             return  # busy answering requests, which is the opposite of failing
         replica.failed_checks += 1
-        replica.last_error = str(exc) or type(exc).__name__ or "no answer in time"
-        refused = isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
-            exc, aiohttp.ConnectionTimeoutError)
+        replica.last_error = str(exc) or type(exc).__name__
+        refused = isinstance(exc, aiohttp.ClientConnectorError)  # nothing listens there
         if replica.healthy and (refused or replica.failed_checks >= config.failure_threshold):
             log.warning("replica %s is unhealthy after %d failed checks: %s",
                         replica.id, replica.failed_checks, replica.last_error)
