@@ -64,6 +64,8 @@ class Histogram(_Remembering, prometheus_client.Histogram):
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# signed seconds: a wait that came later (+) or sooner (-) than estimated
+ERROR_BUCKETS = (-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10)
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -90,6 +92,23 @@ class Metrics:
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds", "Time spent waiting for KV capacity (admitted or not).",
             ["pool", "priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait_with_room = Histogram(
+            "kvgate_queue_wait_with_room_seconds", "Of a queued request's wait, the time a "
+            "replica it could use had room for it (held back for fair order): near zero while "
+            "admission conserves work.", ["pool", "priority"], buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.wait_estimate_error = Histogram(
+            "kvgate_queue_wait_estimate_error_seconds", "For each queued request placed, its "
+            "wait less the wait estimated when it queued (positive: it started later than "
+            "estimated); what refusals against a latency target are corrected by.",
+            ["pool", "priority"], buckets=ERROR_BUCKETS, registry=r,
+        )
+        self.work_conserving = Counter(
+            "kvgate_work_conserving_admissions", "Requests the ledger had no room for, "
+            "started because the replica's own vLLM figures said it could run them now.",
+            ["pool", "replica"], registry=r,
         )
         self.admissions = Counter(
             "kvgate_admissions", "Requests admitted onto a replica's block ledger.",

@@ -47,6 +47,7 @@ class _Replica:
     preemptions: float | None = None
     rejections: float | None = None
     waiting: float | None = None
+    strained: bool = False  # its last scrape showed a preemption or an admission rejection
 
 
 class Overcommit:
@@ -74,7 +75,8 @@ class Overcommit:
         `reserved_per_held`: the blocks its ledger reserves over those vLLM holds."""
         state = self._replicas.setdefault(replica_id, _Replica())
         high = kv_usage is not None and kv_usage >= ROOM
-        if _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections):
+        state.strained = _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections)
+        if state.strained:
             state.factor, state.settled = max(LOW, state.factor * BACKOFF), True
         elif (kv_usage is not None and kv_usage >= HIGH_WATER) or (
             high and _rose(state.waiting, waiting)
@@ -88,6 +90,11 @@ class Overcommit:
             state.factor = min(HIGH, state.factor + max(STEP, towards / 2))
         state.preemptions, state.rejections, state.waiting = preemptions, rejections, waiting
         return state.factor
+
+    def strained(self, replica_id: str) -> bool:
+        """Its last scrape showed it preempting, or refusing requests at its queue limits."""
+        state = self._replicas.get(replica_id)
+        return state is not None and state.strained
 
     def items(self) -> list[tuple[str, float]]:
         return [(r, s.factor) for r, s in self._replicas.items()]

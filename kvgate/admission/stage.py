@@ -38,11 +38,12 @@ from kvgate.admission.ledger import Ledger
 from kvgate.admission.overcommit import Overcommit
 from kvgate.admission.placement import check_can_ever_fit, first_not_busy, limit_for
 from kvgate.admission.queue import Ticket
+from kvgate.admission.room import holdings, vllm_room
 from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
 from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
 from kvgate.fleet.replicas import Replica
-from kvgate.fleet.snapshot import TypicalSizes
+from kvgate.fleet.snapshot import ReplicaView, TypicalSizes
 from kvgate.metrics import Metrics
 from kvgate.protect import finish
 from kvgate.routing.ranking import Ranking
@@ -89,6 +90,9 @@ class Admission:
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
         self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
+        # work conservation (`kvgate.admission.room`): per replica, when its last scrape in a
+        # discovery round was read, and the blocks this instance's requests had written then
+        self._seen: dict[str, tuple[float, int]] = {}
 
     # What the fleet view shows of admission (`kvgate.fleet.view.AdmissionFigures`).
 
@@ -150,6 +154,8 @@ class Admission:
                 demand, rank, future, ranking, started, config, target, clock=self.clock,
                 ranked_at=asked,
             )
+            if waited_for and self.fits(demand, ranking, config, waited_for):
+                waiter.room_since = self.clock()  # held back for those queued ahead
             slot = await self._wait(pool, waiter, asked - started)
         self.metrics.admissions.labels(
             demand.pool, slot.replica.id, "yes" if slot.queued else "no"
@@ -185,15 +191,52 @@ class Admission:
         for view in ranking.usable(waited_s):
             if view.id in closed or (limit := limit_for(view, demand, config)) is None:
                 continue
+            room = self._room_limit(view, demand, config, limit)
             slot = await self.ledger.reserve(
-                view.replica, demand, limit, config.lease_ttl_s,
+                view.replica, demand, limit if room is None else room, config.lease_ttl_s,
                 on_stale=lambda stale: self._release(self.pool(demand.pool), stale),
             )
             if slot is not None:
                 self.backpressure.placed(view.id)
                 slot.queued_s = waited_s
+                if room is not None:
+                    self.metrics.work_conserving.labels(demand.pool, view.id).inc()
                 return slot
         return None
+
+    def _room_limit(
+        self, view: ReplicaView, demand: Demand, config: AdmissionConfig, limit: int
+    ) -> int | None:
+        """Work conservation (`kvgate.admission.room`): where the ledger's `limit` leaves no
+        room for a predicted demand but the replica could carry it now, the ledger limit at
+        which it fits; else None."""
+        blocks = demand.blocks_on(view.replica)
+        replica = view.replica
+        if (not demand.predicted or view.reserved_blocks + blocks <= limit
+                or replica.scrape is None or self.overcommit.strained(view.id)):
+            return None
+        seen = self._seen.get(view.id)
+        written_then = seen[1] if seen is not None and seen[0] == replica.scrape.at else None
+        running = holdings(
+            (s for s in self.ledger.growing if s.replica is replica), view.block_size
+        )
+        exact = self.ledger.exact.get(view.id, 0)
+        if not vllm_room(view, demand, running, exact, written_then):
+            return None
+        return view.reserved_blocks + blocks
+
+    def fits(
+        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, only: frozenset[str]
+    ) -> bool:
+        """Whether one of the replicas `only` that the ranking lets the demand use has room
+        for it now, on its ledger or by its vLLM's own figures (nothing is reserved)."""
+        for view in ranking.usable(math.inf):
+            if view.id not in only or (limit := limit_for(view, demand, config)) is None:
+                continue
+            room = self._room_limit(view, demand, config, limit)
+            if view.reserved_blocks + demand.blocks_on(view.replica) <= (room or limit):
+                return True
+        return False
 
     async def _wait(self, pool: PoolQueue, waiter: Waiter, waited_s: float = 0.0) -> Slot:
         """Queue the request until the dispatcher places it, up to max_wait_s less the
@@ -223,7 +266,11 @@ class Admission:
                 slot = await asyncio.shield(future)
             if waiter.expected_s is not None:  # how far off the estimate was
                 now = self.clock()
-                pool.started(waiter.expected_s, now - waiter.since - waited_s, now)
+                waited = now - waiter.since - waited_s
+                pool.started(waiter.expected_s, waited, now)
+                self.metrics.wait_estimate_error.labels(demand.pool, demand.priority).observe(
+                    waited - waiter.expected_s
+                )
             return slot
         except BaseException as exc:
             # Leaving without the slot (timeout, disconnect, shed): if the dispatcher placed
@@ -242,8 +289,13 @@ class Admission:
         finally:
             pool.queue.remove(ticket)
             self._observe_depth(demand.pool, pool)
+            now = self.clock()
             self.metrics.queue_wait.labels(demand.pool, demand.priority).observe(
-                self.clock() - waiter.since
+                now - waiter.since
+            )
+            with_room = 0.0 if waiter.room_since is None else now - waiter.room_since
+            self.metrics.queue_wait_with_room.labels(demand.pool, demand.priority).observe(
+                with_room
             )
 
     def _refuse_if_late(self, pool: PoolQueue, ticket: Ticket, waited_s: float) -> None:
@@ -305,6 +357,10 @@ class Admission:
             waited = now - ticket.enqueued_at
             closed = book.closed_to(ticket.rank)
             aged = waiter.aged(ticket.enqueued_at, now)
+            if closed and waiter.room_since is None and self.fits(
+                demand, waiter.ranking, config, closed
+            ):
+                waiter.room_since = now  # held back for fair order while it would fit
             if now - waiter.ranked_at < RERANK_S:
                 wants = waiter.wants(waited, closed)
                 if book.passes_over(wants, demand.predicted):
@@ -338,10 +394,14 @@ class Admission:
         then let the queues try again."""
         stale = self.current().discovery.stale_after_s
         waiting = {name for name, pool in self._pools.items() if pool.take_demand()}
+        replicas = list(replicas)
+        ids = {r.id for r in replicas}
+        self._seen = {rid: seen for rid, seen in self._seen.items() if rid in ids}
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
             if scrape is None:
                 continue
+            self._seen[replica.id] = (scrape.at, replica.written_blocks())
             factor = self.overcommit.observe(
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
                 demand=replica.pool in waiting, waiting=scrape.waiting,

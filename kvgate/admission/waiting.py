@@ -71,7 +71,10 @@ class Waiter:
     since: float  # when it arrived (monotonic)
     config: AdmissionConfig
     target_s: float | None = None
-    expected_s: float | None = None  # the wait estimated on arrival (with a target)
+    expected_s: float | None = None  # the wait estimated when it queued (None: unknown)
+    # since when a replica it may use has had room for it while it was held back for fair
+    # order (None: never yet)
+    room_since: float | None = None
     clock: Callable[[], float] = time.monotonic  # the one `since` was read on
     ranked_at: float = -math.inf  # when `ranking` was made, on `clock`
     # what `asks` last answered, for which ranking, and whether its hold was on then
