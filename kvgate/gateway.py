@@ -28,7 +28,7 @@ from kvgate.admission.prediction import LengthModel
 from kvgate.admission.progress import processed_tokens, written_tokens
 from kvgate.admission.stage import Admission, Ranker
 from kvgate.config import Config, CurrentConfig, TenantConfig
-from kvgate.errors import NotFound
+from kvgate.errors import BadRequest, NotFound
 from kvgate.exchange import Exchange
 from kvgate.fleet.health import Breakers
 from kvgate.fleet.kv_events import KvEvents
@@ -44,6 +44,7 @@ from kvgate.request.catalog import (
     pool_tokens,
     prompts_of,
     upstream_payload,
+    vllm_priority,
 )
 from kvgate.request.front import FrontStage
 from kvgate.request.info import REQUEST_INFO
@@ -174,8 +175,25 @@ class Gateway:
             exclude=self.outside(plane.subset),
         )
         x.payload = upstream_payload(
-            x.parsed, x.bound, None if x.edited else x.raw, ask_usage=plane.sees_body
+            x.parsed, x.bound, None if x.edited else x.raw, ask_usage=plane.sees_body,
+            priority=self.priority(x),
         )
+
+    def priority(self, x: Exchange) -> int | None:
+        """vLLM's `priority` for the request where its pool schedules by priority: its
+        tenant's class first, its own value within it (None: the client's own is forwarded).
+        A pool that runs fcfs would refuse a non-zero one: refused here instead (400)."""
+        policy = x.rt.config.pools[x.pool].scheduling_policy
+        own = x.parsed.body.get("priority")
+        if policy == "priority":
+            return vllm_priority(x.tenant.priority, own)
+        if policy == "fcfs" and own:
+            raise BadRequest(
+                f"'priority' is not accepted by pool {x.pool!r}: its replicas schedule first "
+                "come, first served (scheduling_policy: fcfs)",
+                param="priority",
+            )
+        return None
 
     def outside(self, subset: frozenset[str] | None) -> frozenset[str]:
         """The replicas not in `subset` (addresses host:port): none where it is None."""

@@ -174,6 +174,13 @@ class PoolConfig(Section):
     overflow_to: str | None = None
     # Its replicas' KV cache events (None: not subscribed).
     kv_events: KvEventsConfig | None = None
+    # Its replicas' vLLM --scheduling-policy. priority: kvgate sends each request's class as
+    # vLLM's `priority` (critical first, then standard, then sheddable; a client's own value
+    # orders its requests within their class), so the critical class goes first in vLLM's
+    # own queue and is the last vLLM preempts. fcfs: vLLM refuses any `priority`, so kvgate
+    # refuses a client's non-zero one itself (400). null: unknown; kvgate adds none and
+    # forwards a client's own.
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:

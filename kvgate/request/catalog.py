@@ -15,11 +15,12 @@ from pathlib import Path
 
 import orjson
 
-from kvgate.config import Config, ModelConfig, TenantConfig, TokenizerConfig
+from kvgate.config import PRIORITY_CLASSES, Config, ModelConfig, TenantConfig, TokenizerConfig
 from kvgate.errors import BadRequest, ContextLengthExceeded, NoReplica
 from kvgate.request.calibration import Terms
 from kvgate.request.chat_template import ChatTemplate, find_template, load_template
 from kvgate.request.parsed import Endpoint, ParsedRequest
+from kvgate.request.rules import CLIENT_PRIORITY_SPAN
 from kvgate.request.tokens import PromptCount, PromptCounter, Tokenizer, load_tokenizer
 
 
@@ -182,15 +183,26 @@ def max_tokens_field(parsed: ParsedRequest) -> str:
     return "max_tokens" if parsed.body.get("max_completion_tokens") is None else "max_completion_tokens"
 
 
+def vllm_priority(priority_class: str, client: int | None) -> int:
+    """The `priority` vLLM's priority scheduling gets for a request of `priority_class` (lower
+    runs first): the critical class below 0, standard from 0, sheddable above, each class
+    CLIENT_PRIORITY_SPAN wide, the client's own value ordering its requests within theirs."""
+    rank = PRIORITY_CLASSES.index(priority_class)
+    return (rank - 1) * CLIENT_PRIORITY_SPAN + (client or 0)
+
+
 def upstream_body(
-    parsed: ParsedRequest, bound: Bound, *, ask_usage: bool = True
+    parsed: ParsedRequest, bound: Bound, *, ask_usage: bool = True, priority: int | None = None
 ) -> dict[str, object]:
     """The body to forward: the client's, plus an operator's cap on an omitted max_tokens
     (`Bound.set_max_tokens`), plus a request for usage on streams (stripped again from the
-    client's stream if unasked; not where kvgate does not read the answer, `ask_usage`)."""
+    client's stream if unasked; not where kvgate does not read the answer, `ask_usage`), with
+    vLLM's `priority` set where kvgate decides it (`vllm_priority`; None: the client's own)."""
     body = dict(parsed.body)
     if bound.set_max_tokens:
         body["max_tokens"] = bound.max_tokens
+    if priority is not None:
+        body["priority"] = priority
     if parsed.stream and ask_usage:
         options = dict(body.get("stream_options") or {})
         options["include_usage"] = True
@@ -199,15 +211,17 @@ def upstream_body(
 
 
 def upstream_payload(
-    parsed: ParsedRequest, bound: Bound, raw: bytes | None, *, ask_usage: bool = True
+    parsed: ParsedRequest, bound: Bound, raw: bytes | None, *, ask_usage: bool = True,
+    priority: int | None = None,
 ) -> bytes:
     """`upstream_body` as bytes: the client's own bytes `raw` when kvgate leaves them
-    unchanged (no cap to forward, and for a stream include_usage asked already or not to be
-    asked; None: the body was edited before, by normalization) rather than serialized again."""
+    unchanged (no cap to forward, no priority to set, and for a stream include_usage asked
+    already or not to be asked; None: the body was edited before, by normalization) rather
+    than serialized again."""
     asks = ask_usage and parsed.stream and not parsed.client_wants_usage
-    if raw is not None and not bound.set_max_tokens and not asks:
+    if raw is not None and not bound.set_max_tokens and not asks and priority is None:
         return raw
-    return orjson.dumps(upstream_body(parsed, bound, ask_usage=ask_usage))
+    return orjson.dumps(upstream_body(parsed, bound, ask_usage=ask_usage, priority=priority))
 
 
 class Catalog:

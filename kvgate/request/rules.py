@@ -46,15 +46,23 @@ def model(value: Any) -> Any:
     return value
 
 
+# A client's own `priority` orders its requests within their tenant's class, below this.
+CLIENT_PRIORITY_SPAN = 1 << 20
+
+
 def priority(value: Any) -> Any:
     """vLLM's `priority` orders its own queue (lower runs earlier, default 0). kvgate's tenant
     classes decide who goes first, so a client may lower its own request, never raise it."""
-    if value is not None and (not _integer(value) or value < 0):
+    if value is not None and (
+        not _integer(value) or value < 0 or value >= CLIENT_PRIORITY_SPAN
+    ):
         raise refuse(
-            " must be an integer >= 0: a client may lower its request's priority on the replica, "
-            "never raise it (kvgate's tenant classes decide who goes first)"
+            f" must be an integer from 0 to {CLIENT_PRIORITY_SPAN - 1}: a client may lower its "
+            "request's priority on the replica, never raise it (kvgate's tenant classes decide "
+            "who goes first)"
         )
     return value
+
 
 
 def of_type(kind: type, text: str, *, required: bool = False) -> Callable[[Any], Any]:
