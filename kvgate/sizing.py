@@ -83,9 +83,12 @@ class Sizing:
         def forecast(written: int) -> int:
             return prompt + prediction.expected((written - prompt) // sequences) * sequences
 
+        def alive(written: int, more: int) -> float:
+            return prediction.surviving(max(0, written - prompt) // sequences, more // sequences)
+
         return {
             "ahead_tokens": prediction.expected() * sequences,
-            "margin_tokens": margin * sequences, "forecast": forecast,
+            "margin_tokens": margin * sequences, "forecast": forecast, "alive": alive,
         }
 
     def shape(self, parsed: ParsedRequest, tenant: str, bound: Bound) -> Shape:

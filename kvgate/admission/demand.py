@@ -53,6 +53,10 @@ class Demand:
     prompt_tokens: int = 0
     margin_tokens: int = 0
     forecast: Callable[[int], int] | None = field(default=None, compare=False)
+    # the chance that the request, having written so many tokens (prompt + output, all
+    # sequences), writes so many more before it ends: its length model's survival curve, for
+    # work conservation (`kvgate.admission.room`). None: no curve (it ends at its reservation)
+    alive: Callable[[int, int], float] | None = field(default=None, compare=False)
 
     @property
     def reserve_tokens(self) -> int:
@@ -115,6 +119,7 @@ class Slot:
     progress: Callable[[], int] | None = None
     ahead: int = 0
     forecast: Callable[[int], int] | None = None
+    alive: Callable[[int, int], float] | None = None  # `Demand.alive`
     exact: bool = False  # it reserved its worst case: it holds all it reserves
     lower_class: bool = False  # a class below critical (counted in `Ledger.lower`)
 

@@ -91,7 +91,7 @@ class Ledger:
         own = blocks - len(keys)
         worst_own = demand.worst_blocks_on(replica) - len(keys)
         slot = Slot(replica, lease_id, own, shared=shared, worst_blocks=max(own, worst_own),
-                    ahead=demand.margin_tokens, forecast=demand.forecast,
+                    ahead=demand.margin_tokens, forecast=demand.forecast, alive=demand.alive,
                     exact=not demand.predicted, lower_class=demand.priority != "critical")
         if slot.exact:
             self.exact[replica.id] = self.exact.get(replica.id, 0) + own

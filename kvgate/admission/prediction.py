@@ -102,6 +102,10 @@ class Lengths:
         ordered = self._sorted
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    def count_above(self, tokens: int) -> int:
+        """How many of the known answers were longer than `tokens`."""
+        return len(self._sorted) - bisect.bisect_right(self._sorted, tokens)
+
     def mean_above(self, written: int) -> float | None:
         """E[length | length > written] over the window: the survival curve's expectation of
         an answer that has written `written` tokens; None when none was that long."""
@@ -140,6 +144,23 @@ class Prediction:
             seen = self.history.mean_above(written)
         expected = written if seen is None else math.ceil(seen)
         return min(self.max_tokens, max(1, self.floor, written, expected))
+
+
+    def surviving(self, written: int, more: int) -> float:
+        """The chance that an answer that has written `written` tokens writes `more` more:
+        the share of the known answers longer than `written` that were longer than
+        `written + more` too (1 below its floor, 0 from max_tokens on; past every known
+        answer, 0: it is expected to end now, as `expected` says). Without history, the
+        prior is taken as every answer's length."""
+        reach = written + more
+        if reach < self.floor:
+            return 1.0
+        if reach >= self.max_tokens:
+            return 0.0
+        if self.history is None:
+            return 1.0 if reach < self.prior else 0.0
+        alive = self.history.count_above(written)
+        return self.history.count_above(reach) / alive if alive else 0.0
 
 
 class LengthModel:

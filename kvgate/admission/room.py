@@ -30,8 +30,10 @@ Pure arithmetic; no I/O.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,34 +45,96 @@ if TYPE_CHECKING:
 WATERMARK = 0.01
 
 
-def holdings(slots: Iterable[Slot], block_size: int) -> list[tuple[int, int]]:
-    """(blocks written now, blocks still to write) of each of this instance's predicted
-    reservations on one replica: what it has written, and up to its reservation, the answer
-    it is expected to write (one not sent yet has written nothing)."""
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One request of this instance's on a replica, for its expected occupancy: the blocks
+    it holds now, the tokens it has written, and its survival curve (`Demand.alive`; None:
+    it ends once it has written its `reserved` blocks)."""
+
+    blocks: int
+    written: int
+    reserved: int
+    alive: Callable[[int, int], float] | None
+
+
+def holdings(slots: Iterable[Slot], block_size: int) -> list[Holding]:
+    """What each of this instance's predicted reservations on one replica holds and may
+    write of its own, its shared prefix left out (those blocks are held once for all who
+    share them, and counted so: `vllm_room`'s `shared`); one not sent yet has written
+    nothing."""
     out = []
     for slot in slots:
         if slot.released:
             continue
-        written = 0 if slot.progress is None else math.ceil(slot.progress() / block_size)
-        written = min(written, slot.reserved_blocks)
-        out.append((written, slot.reserved_blocks - written))
+        written = 0 if slot.progress is None else slot.progress()
+        shared = slot.shared.blocks if slot.shared else 0
+        blocks = min(max(0, math.ceil(written / block_size) - shared), slot.blocks)
+        out.append(Holding(blocks, written, slot.blocks, slot.alive))
     return out
 
 
-def peak_blocks(running: list[tuple[int, int]]) -> int:
-    """The most the `running` requests ((written, to write) blocks each) hold at once, if all
-    write on at one pace and each frees what it holds when it has written all it will: at
-    each request's end, those still running hold what they had plus what they wrote since."""
-    if not running:
-        return 0
-    ends = sorted(running, key=lambda held: held[1])
-    # those alive at step p: the ones whose end is at or after p (they hold written + p)
-    count, written = len(ends), sum(w for w, _ in ends)
-    peak = 0
-    for w, left in ends:  # just before this one ends, everyone from it onwards runs
-        peak = max(peak, written + count * left)
-        count, written = count - 1, written - w
-    return peak
+def steps(longest: int) -> list[int]:
+    """The steps (blocks written from now by each running request) the occupancy is read at:
+    every one up to 4, then two per doubling, up to `longest`."""
+    out, step = [0, 1, 2, 3], 4
+    while step < longest:
+        out += [step, step * 3 // 2]
+        step *= 2
+    out.append(longest)
+    return sorted({n for n in out if n <= longest})
+
+
+def occupancy(holding: Holding, at: Sequence[int], block_size: int) -> list[float]:
+    """The blocks `holding` is expected to hold after each step of `at`: what it holds plus
+    what it wrote since, times the chance it has not ended by then."""
+    blocks = holding.blocks
+    if holding.alive is None:  # it ends at its reservation
+        return [float(blocks + n) if blocks + n <= holding.reserved else 0.0 for n in at]
+    alive = holding.alive
+    return [(blocks + n) * alive(holding.written, n * block_size) for n in at]
+
+
+class Curve:
+    """What a replica's running requests are expected to hold after each of a grid of steps
+    (`occupancy`, summed): made once, then read for each newcomer weighed against it."""
+
+    __slots__ = ("at", "totals")
+
+    def __init__(self, running: Sequence[Holding], block_size: int) -> None:
+        longest = max((max(h.reserved, h.blocks) for h in running), default=0)
+        # and the last step of each that ends at its reservation: its most
+        ends = {h.reserved - h.blocks for h in running
+                if h.alive is None and h.reserved > h.blocks}  # fmt: skip
+        self.at = sorted(ends.union(steps(max(1, 4 * longest))))
+        self.totals = [0.0] * len(self.at)
+        for holding in running:
+            for i, held in enumerate(occupancy(holding, self.at, block_size)):
+                self.totals[i] += held
+
+    def peak_with(self, newcomer: Holding, block_size: int) -> float:
+        """The most the running requests and `newcomer` are expected to hold at once. At a
+        step of the newcomer's own past the grid, the running requests count what they hold
+        at the grid's nearest steps around it, the more of the two."""
+        own = [] if newcomer.alive is not None or newcomer.reserved <= newcomer.blocks else [
+            newcomer.reserved - newcomer.blocks]
+        at = sorted(set(self.at).union(own))
+        held = occupancy(newcomer, at, block_size)
+        peak = 0.0
+        for step, mine in zip(at, held, strict=True):
+            i = bisect.bisect_left(self.at, step)
+            if i < len(self.at) and self.at[i] == step:
+                theirs = self.totals[i]
+            else:  # between two grid steps, or past the last
+                theirs = max(self.totals[max(0, i - 1)], self.totals[min(i, len(self.at) - 1)])
+            peak = max(peak, theirs + mine)
+        return peak
+
+
+def expected_peak(running: Sequence[Holding], newcomer: Holding, block_size: int) -> float:
+    """The most the `running` requests and the `newcomer` are expected to hold at once, if
+    all write on at one pace and each ends as its survival curve says (the module
+    docstring)."""
+    return Curve(running, block_size).peak_with(newcomer, block_size)
 
 
 def others_blocks(view: ReplicaView, written_then: int | None) -> int:
@@ -83,19 +147,22 @@ def others_blocks(view: ReplicaView, written_then: int | None) -> int:
 
 
 def vllm_room(
-    view: ReplicaView, demand: Demand, running: list[tuple[int, int]], exact: int,
-    written_then: int | None,
+    view: ReplicaView, demand: Demand, running: Curve, held: int, written_then: int | None,
 ) -> bool:
-    """Whether the replica could carry the demand now besides `running` (`holdings` of this
-    instance's predicted reservations there) and `exact` (its worst-case ones), by its own
+    """Whether the replica could carry the demand now besides `running` (the `Curve` of this
+    instance's predicted reservations there, their own blocks) and `held` (the rest of what
+    this instance holds there throughout: its worst-case reservations, its shared prefixes),
+    by its own
     vLLM figures (see the module docstring). False when those cannot say: no fresh scrape,
     its size or usage unknown, or requests waiting in its own queue."""
     total = view.num_gpu_blocks
     if not view.scraped or view.kv_usage is None or not total or view.waiting:
         return False
     kept = view.kept_blocks if demand.priority != "critical" else 0
-    room = total - math.ceil(WATERMARK * total) - kept - others_blocks(view, written_then) - exact
-    blocks = demand.blocks_on(view.replica)
-    prompt = math.ceil(demand.prompt_tokens / view.block_size)
-    newcomer = (min(prompt, blocks), blocks - min(prompt, blocks))
-    return peak_blocks([*running, newcomer]) <= room
+    room = total - math.ceil(WATERMARK * total) - kept - others_blocks(view, written_then) - held
+    size = view.block_size
+    shared = len(demand.shared_keys_on(view.replica))  # counted in `held` once shared
+    blocks = demand.blocks_on(view.replica) - shared
+    prompt = min(blocks, max(0, math.ceil(demand.prompt_tokens / size) - shared))
+    newcomer = Holding(prompt, demand.prompt_tokens, blocks, demand.alive)
+    return running.peak_with(newcomer, size) <= room

@@ -38,7 +38,7 @@ from kvgate.admission.ledger import Ledger
 from kvgate.admission.overcommit import Overcommit
 from kvgate.admission.placement import check_can_ever_fit, first_not_busy, limit_for
 from kvgate.admission.queue import Ticket
-from kvgate.admission.room import holdings, vllm_room
+from kvgate.admission.room import Curve, holdings, vllm_room
 from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
 from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # at once (this instance's directly, other instances' through the store's release notices);
 # the poll catches what nobody announces, such as a dead instance's leases expiring.
 POLL_INTERVAL_S = 0.1
+# Work conservation reads the expected occupancy of a replica's running requests made at most
+# this long ago (or since its ledger figure last moved): the answers write on meanwhile.
+CURVE_TTL_S = 0.05
 
 # Ranks the replicas for one request, given the seconds it has waited so far; called on arrival
 # and again on every placement attempt, so a queued request goes where room appears.
@@ -93,6 +96,7 @@ class Admission:
         # work conservation (`kvgate.admission.room`): per replica, when its last scrape in a
         # discovery round was read, and the blocks this instance's requests had written then
         self._seen: dict[str, tuple[float, int]] = {}
+        self._curves: dict[str, tuple[tuple[int, int], float, Curve]] = {}
 
     # What the fleet view shows of admission (`kvgate.fleet.view.AdmissionFigures`).
 
@@ -217,13 +221,26 @@ class Admission:
             return None
         seen = self._seen.get(view.id)
         written_then = seen[1] if seen is not None and seen[0] == replica.scrape.at else None
-        running = holdings(
-            (s for s in self.ledger.growing if s.replica is replica), view.block_size
-        )
-        exact = self.ledger.exact.get(view.id, 0)
-        if not vllm_room(view, demand, running, exact, written_then):
+        held = self.ledger.exact.get(view.id, 0) + self.prefixes.held_blocks(view.id)
+        if not vllm_room(view, demand, self._curve(view), held, written_then):
             return None
         return view.reserved_blocks + blocks
+
+    def _curve(self, view: ReplicaView) -> Curve:
+        """The expected occupancy of this instance's running requests on the replica, made
+        again once CURVE_TTL_S old or when its ledger figure moved (a request came or went)."""
+        now = self.clock()
+        key = (view.reserved_blocks, view.block_size)
+        cached = self._curves.get(view.id)
+        if cached is not None and cached[0] == key and now - cached[1] < CURVE_TTL_S:
+            return cached[2]
+        replica = view.replica
+        curve = Curve(
+            holdings((s for s in self.ledger.growing if s.replica is replica), view.block_size),
+            view.block_size,
+        )
+        self._curves[view.id] = (key, now, curve)
+        return curve
 
     def fits(
         self, demand: Demand, ranking: Ranking, config: AdmissionConfig, only: frozenset[str]
@@ -397,6 +414,7 @@ class Admission:
         replicas = list(replicas)
         ids = {r.id for r in replicas}
         self._seen = {rid: seen for rid, seen in self._seen.items() if rid in ids}
+        self._curves = {rid: c for rid, c in self._curves.items() if rid in ids}
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
             if scrape is None:

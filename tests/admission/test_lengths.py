@@ -8,7 +8,15 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgate.admission.prediction import OPEN, LengthModel, Shape, answer_floor, bucket
+from kvgate.admission.prediction import (
+    OPEN,
+    LengthModel,
+    Lengths,
+    Prediction,
+    Shape,
+    answer_floor,
+    bucket,
+)
 
 SETTINGS = {"min_samples": 16, "prior_tokens": 256}
 
@@ -110,3 +118,25 @@ def test_an_expected_length_is_never_below_what_is_written_or_forced_nor_above_m
     assert min(written, max_tokens) <= expected <= max_tokens
     assert floor <= expected
     assert floor <= prediction.likely(0.95) <= max_tokens
+
+
+def _known(*lengths: int, floor: int = 0, max_tokens: int = 1000) -> Prediction:
+    history = Lengths(window=64)
+    for n in lengths:
+        history.add(n)
+    return Prediction(history, "fleet", floor, max_tokens, prior=256)
+
+
+def test_the_survival_curve_is_the_share_of_known_answers_that_went_further() -> None:
+    known = _known(10, 20, 30, 40)
+    assert known.surviving(0, 15) == 3 / 4
+    assert known.surviving(15, 10) == 2 / 3  # of the three past 15, two passed 25
+    assert known.surviving(45, 1) == 0.0  # past every known answer: expected to end now
+    assert known.surviving(5, 0) == 1.0
+
+
+def test_the_survival_curve_keeps_to_the_requests_floor_and_allowance() -> None:
+    assert _known(10, 20, floor=50).surviving(0, 30) == 1.0  # min_tokens / ignore_eos
+    assert _known(10, 20, 900, max_tokens=35).surviving(0, 35) == 0.0
+    prior = Prediction(None, "prior", 0, 1000, prior=20)
+    assert (prior.surviving(0, 10), prior.surviving(0, 20)) == (1.0, 0.0)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvgate.admission.demand import Demand, Slot
-from kvgate.admission.room import holdings, peak_blocks
+from kvgate.admission.room import Holding, expected_peak, holdings, occupancy, steps
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.replicas import Replica
@@ -107,25 +107,45 @@ async def test_the_critical_classs_kept_blocks_are_not_offered_to_lower_classes(
                 pass
 
 
-def test_the_peak_of_a_burst_is_the_sum_of_what_its_requests_expect_to_write() -> None:
+def ends_at(blocks: int, reserved: int) -> Holding:
+    """A request holding `blocks` that ends once it holds `reserved` (no survival curve)."""
+    return Holding(blocks, blocks * 16, reserved, None)
+
+
+def test_a_burst_peaks_at_the_sum_of_what_its_requests_will_hold() -> None:
     """Young requests all near their ends together: the peak is their reservations' sum."""
-    assert peak_blocks([(1, 9)] * 5) == 50
-    assert peak_blocks([]) == 0
+    assert expected_peak([ends_at(1, 10)] * 4, ends_at(1, 10), 16) == 50
 
 
 def test_requests_at_staggered_stages_peak_below_their_reservations_sum() -> None:
     """Ten requests of 10 blocks each, at every stage from just begun to about to end: as one
-    ends the others grow; the most held at once is what they hold now (55), not the ledger's
-    100."""
-    staggered = [(w, 10 - w) for w in range(1, 11)]
-    assert peak_blocks(staggered) == 55
+    ends the others grow; the most held at once is what they hold now (55), not 100."""
+    staggered = [ends_at(w, 10) for w in range(1, 10)]
+    assert expected_peak(staggered, ends_at(10, 10), 16) == 55
 
 
-def test_holdings_count_what_is_written_and_what_is_left_to_write() -> None:
+def test_a_survival_curve_weighs_each_step_by_the_chance_the_answer_is_still_running() -> None:
+    """Half of such answers end within each 16 tokens: held 1 + n blocks after n steps with
+    chance 1/2^n; the expected most is at the first step or two (1 now, 2 × 1/2, 3 × 1/4)."""
+
+    def halves(written: int, more: int) -> float:
+        return 0.5 ** (more // 16)
+
+    curve = Holding(1, 16, 10, halves)
+    assert occupancy(curve, [0, 1, 2, 3], 16) == [1.0, 1.0, 0.75, 0.5]
+    assert expected_peak([curve] * 9, curve, 16) == 10.0
+
+
+def test_the_steps_read_every_block_first_then_two_per_doubling() -> None:
+    assert steps(3) == [0, 1, 2, 3]
+    assert steps(40) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40]
+
+
+def test_holdings_count_what_is_written_and_what_is_reserved() -> None:
     r = replica("a", blocks=100)
     slots = [Slot(r, "sent", 10, progress=lambda: 40), Slot(r, "placed", 6),
              Slot(r, "gone", 8, progress=lambda: 16, released=True)]  # fmt: skip
-    assert holdings(slots, 16) == [(3, 7), (0, 6)]
+    assert holdings(slots, 16) == [Holding(3, 40, 10, None), Holding(0, 0, 6, None)]
 
 
 async def test_a_burst_is_not_let_in_past_what_vllm_can_hold() -> None:
