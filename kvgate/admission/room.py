@@ -10,20 +10,23 @@ the replica has blocks idle, where a bare fleet would have started those request
 
 So, when the ledger refuses a predicted request, admission asks (`vllm_room`) whether the
 replica could carry it: its last scrape is fresh, shows nothing waiting in vLLM's own queue,
-and was not one where vLLM preempted or refused a request at its queue limits; and the peak
-of what kvgate's requests there will hold (`peak_blocks`), with this one among them, fits in
+and was not one where vLLM preempted or refused a request at its queue limits; and the
+expected peak of what kvgate's requests there will hold, with this one among them, fits in
 what is left of the cache after the blocks others hold (vLLM's usage at the scrape less what
-kvgate's own requests had written then), vLLM's watermark, and the blocks kept for the
+kvgate's own requests had written then), what kvgate holds there throughout (worst-case
+reservations, shared prefixes, counted once), vLLM's watermark, and the blocks kept for the
 critical class where the request is of a lower class.
 
-The peak: every running request writes on at the same pace until it has written what it is
-expected to (its reservation), then frees all it holds. A burst of young requests reaches
-its peak when they all near their ends, at the sum of their reservations, as the ledger
-counts them; requests at staggered stages peak far lower, as some end while others grow.
-A worst-case reservation holds all it reserved throughout. Preemption stays an overload
-signal: a replica that preempted since its previous scrape is closed to this path until a
-scrape shows none, and the ledger, steered by `kvgate.admission.overcommit`, decides alone.
-Worst-case requests never use this path: their guarantee is the ledger's.
+The expected peak (`Curve`): every running request writes on at one pace; after n more
+blocks, one holds what it has plus n, times the chance that it is still going then (its
+length model's survival curve, `Demand.alive`: the share of known answers of its shape that
+got this far and went that much further; without one, it ends at its reservation). A burst
+of young requests with known lengths peaks when they near their ends together, at the sum of
+their reservations, as the ledger counts them; requests at staggered stages peak far lower,
+as some end while others grow. Preemption stays an overload signal: a replica that
+preempted since its previous scrape is closed to this path until a scrape shows none, and
+the ledger, steered by `kvgate.admission.overcommit`, decides alone. Worst-case requests
+never use this path: their guarantee is the ledger's.
 
 Pure arithmetic; no I/O.
 """
