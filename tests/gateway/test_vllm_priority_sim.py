@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -60,14 +61,11 @@ def test_classes_map_to_vllm_priorities_in_order_and_a_client_orders_within_its_
     assert vllm_priority("standard", CLIENT_PRIORITY_SPAN - 1) < sheddable
 
 
-async def test_a_priority_pool_receives_the_class_and_the_critical_request_runs_first(
-    sim_factory, gateway_factory
-):
-    """vLLM runs one sequence at a time: the bulk tenant's requests queue in vLLM itself,
-    then a critical request arrives. With the class sent as vLLM's priority it is the next
-    to run, ahead of every queued bulk request."""
-    sim = await sim_factory(scheduling_policy="priority", max_num_seqs=1, time_scale=0.05)
-    gw = await gateway_factory(config(sim.url, "priority"))
+async def finishing_order(sim_factory: Any, gateway_factory: Any, policy: str) -> list[str]:
+    """vLLM runs one sequence at a time: six bulk requests queue in vLLM itself, then a
+    critical request arrives; the order they finish in."""
+    sim = await sim_factory(scheduling_policy=policy, max_num_seqs=1, time_scale=0.05)
+    gw = await gateway_factory(config(sim.url, policy))
     finished: list[str] = []
     async with aiohttp.ClientSession() as session:
 
@@ -83,90 +81,80 @@ async def test_a_priority_pool_receives_the_class_and_the_critical_request_runs_
         assert len(sim.runtime.engine.waiting) >= 4  # queued in vLLM, not in kvgate
         await one("sk-vip", "vip")
         await asyncio.gather(*bulk)
-    # the one bulk request running when it came, at most, finished before it
+    await wait_settled(gw)
+    return finished
+
+
+async def test_a_priority_pool_runs_the_critical_request_next(sim_factory, gateway_factory):
+    """With the class sent as vLLM's priority, it runs ahead of every queued bulk request:
+    at most the one running when it came finishes before it."""
+    finished = await finishing_order(sim_factory, gateway_factory, "priority")
     assert finished.index("vip") <= 1, finished
-    await wait_settled(gw)
 
 
-async def test_without_the_priority_policy_the_critical_request_waits_its_turn(
-    sim_factory, gateway_factory
-):
+async def test_on_fcfs_the_critical_request_waits_its_turn_in_vllm(sim_factory, gateway_factory):
     """The same run on fcfs: what the setting is for."""
-    sim = await sim_factory(scheduling_policy="fcfs", max_num_seqs=1, time_scale=0.05)
-    gw = await gateway_factory(config(sim.url, None))
-    finished: list[str] = []
-    async with aiohttp.ClientSession() as session:
-
-        async def one(key: str, name: str) -> None:
-            status, body = await post(session, gw.url, key, max_tokens=40, text=name)
-            assert status == 200, body
-            finished.append(name)
-
-        bulk = [asyncio.create_task(one("sk-bulk", f"bulk-{i}")) for i in range(6)]
-        deadline = time.monotonic() + 10
-        while len(sim.runtime.engine.waiting) < 4 and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
-        await one("sk-vip", "vip")
-        await asyncio.gather(*bulk)
+    finished = await finishing_order(sim_factory, gateway_factory, "fcfs")
     assert finished.index("vip") >= 4, finished
-    await wait_settled(gw)
+
+
+@pytest.fixture
+async def stub_gateway(gateway_factory: Any) -> AsyncIterator[Callable[[str | None], Any]]:
+    """A gateway in front of the stub upstream, whose pool declares the policy given; the
+    stub keeps every body it receives."""
+    stubs: list[StubUpstream] = []
+
+    async def make(policy: str | None) -> tuple[Any, StubUpstream]:
+        stub = StubUpstream()
+        stub.runner, stub.url = await serve_app(stub.app())
+        stubs.append(stub)
+        return await gateway_factory(config(stub.url, policy, model=STUB_MODEL)), stub
+
+    yield make
+    for stub in stubs:
+        await stub.runner.cleanup()
 
 
 @pytest.mark.parametrize("policy", [None, "fcfs", "priority"])
 async def test_only_a_priority_pool_receives_a_priority_and_it_is_the_class(
-    policy, gateway_factory
+    policy, stub_gateway
 ):
     """What each pool's replica receives from each class (the client sends none)."""
-    stub = StubUpstream()
-    stub.runner, stub.url = await serve_app(stub.app())
-    try:
-        gw = await gateway_factory(config(stub.url, policy, model=STUB_MODEL))
-        async with aiohttp.ClientSession() as session:
-            for key in ("sk-vip", "sk-app", "sk-bulk"):
-                status, body = await post(session, gw.url, key, model=STUB_MODEL)
-                assert status == 200, body
-        sent = [body.get("priority") for body in stub.received]
-        if policy == "priority":
-            assert sent == [vllm_priority(c, None) for c in ("critical", "standard", "sheddable")]
-        else:
-            assert sent == [None, None, None]
-        await wait_settled(gw)
-    finally:
-        await stub.runner.cleanup()
+    gw, stub = await stub_gateway(policy)
+    async with aiohttp.ClientSession() as session:
+        for key in ("sk-vip", "sk-app", "sk-bulk"):
+            status, body = await post(session, gw.url, key, model=STUB_MODEL)
+            assert status == 200, body
+    sent = [body.get("priority") for body in stub.received]
+    if policy == "priority":
+        assert sent == [vllm_priority(c, None) for c in ("critical", "standard", "sheddable")]
+    else:
+        assert sent == [None, None, None]
+    await wait_settled(gw)
 
 
 async def test_a_clients_own_priority_orders_it_within_its_class_on_a_priority_pool(
-    gateway_factory
+    stub_gateway
 ):
-    stub = StubUpstream()
-    stub.runner, stub.url = await serve_app(stub.app())
-    try:
-        gw = await gateway_factory(config(stub.url, "priority", model=STUB_MODEL))
-        async with aiohttp.ClientSession() as session:
-            status, body = await post(session, gw.url, "sk-vip", model=STUB_MODEL, priority=7)
-            assert status == 200, body
-        assert stub.received[-1]["priority"] == vllm_priority("critical", 7)
-        await wait_settled(gw)
-    finally:
-        await stub.runner.cleanup()
+    gw, stub = await stub_gateway("priority")
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, gw.url, "sk-vip", model=STUB_MODEL, priority=7)
+        assert status == 200, body
+    assert stub.received[-1]["priority"] == vllm_priority("critical", 7)
+    await wait_settled(gw)
 
 
 async def test_a_declared_fcfs_pool_refuses_a_clients_priority_without_forwarding_it(
-    gateway_factory
+    stub_gateway
 ):
     """vLLM answers 400 to a non-zero priority under fcfs: kvgate says so itself."""
-    stub = StubUpstream()
-    stub.runner, stub.url = await serve_app(stub.app())
-    try:
-        gw = await gateway_factory(config(stub.url, "fcfs", model=STUB_MODEL))
-        async with aiohttp.ClientSession() as session:
-            status, body = await post(session, gw.url, "sk-app", model=STUB_MODEL, priority=3)
-            assert status == 400
-            assert body["error"]["param"] == "priority"
-            assert "fcfs" in body["error"]["message"]
-            assert stub.received == []  # never forwarded
-            status, body = await post(session, gw.url, "sk-app", model=STUB_MODEL, priority=0)
-            assert status == 200, body  # vLLM's default passes
-        await wait_settled(gw)
-    finally:
-        await stub.runner.cleanup()
+    gw, stub = await stub_gateway("fcfs")
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, gw.url, "sk-app", model=STUB_MODEL, priority=3)
+        assert status == 400
+        assert body["error"]["param"] == "priority"
+        assert "fcfs" in body["error"]["message"]
+        assert stub.received == []  # never forwarded
+        status, body = await post(session, gw.url, "sk-app", model=STUB_MODEL, priority=0)
+        assert status == 200, body  # vLLM's default passes
+    await wait_settled(gw)
