@@ -85,6 +85,7 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
             gateways = ([] if spec.contender.kind != "kvgate" else
                         sorted({url for urls in running.targets.values() for url in urls}))
             waits_before = await _queue_waits(http, gateways)
+            errors_before = await _queue_waits(http, gateways, metrics.parse_estimate_errors)
             before = await _scrape(http, replicas)
             cpu_before = _cpu(children)
             results = await run_workload(
@@ -94,6 +95,7 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
             )  # fmt: skip
             after = await _scrape(http, replicas)
             waits_after = await _queue_waits(http, gateways)
+            errors_after = await _queue_waits(http, gateways, metrics.parse_estimate_errors)
             cpu_after = _cpu(children)
         except ChildFailed as exc:
             return {**record, "error": str(exc)}
@@ -115,6 +117,8 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
     if gateways:
         record["critical_queued"] = metrics.queued(
             metrics.increase(waits_before, waits_after), spec.time_scale)
+        record["wait_estimate_error"] = metrics.estimate_error(
+            metrics.increase(errors_before, errors_after), spec.time_scale)
     record["run"] = {
         "requests_sent": len(items), "startup_wall_s": round(ready_s, 2),
         "wall_s": round(elapsed, 2),
@@ -160,12 +164,16 @@ async def _scrape(http: aiohttp.ClientSession, replicas: list[fleet.Replica]) ->
     return {"counters": counters, "sim_time": sim_time, "wall": time.monotonic()}
 
 
-async def _queue_waits(http: aiohttp.ClientSession, gateways: list[str]) -> dict[str, float]:
-    """The critical class's queue-wait buckets, summed over the kvgate instances."""
+async def _queue_waits(
+    http: aiohttp.ClientSession, gateways: list[str],
+    parse: Callable[[str], dict[str, float]] = metrics.parse_queue_waits,
+) -> dict[str, float]:
+    """The critical class's queue-wait buckets (or what `parse` reads), summed over the
+    kvgate instances."""
     buckets: dict[str, float] = {}
     for url in gateways:
         async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
-            for le, n in metrics.parse_queue_waits(await response.text()).items():
+            for le, n in parse(await response.text()).items():
                 buckets[le] = buckets.get(le, 0.0) + n
     return buckets
 

@@ -145,18 +145,47 @@ def parse_counters(text: str, names: Iterable[str] = COUNTERS) -> dict[str, floa
     return sums
 
 
-def parse_queue_waits(text: str, priority: str = "critical") -> dict[str, float]:
-    """kvgate's `kvgate_queue_wait_seconds` buckets for one class, summed over pools: each
-    bucket's upper bound (wall seconds, "+Inf" as is) to how many waited no longer."""
+def parse_buckets(text: str, name: str, priority: str | None = None) -> dict[str, float]:
+    """One of kvgate's histograms, summed over pools (and classes, or only `priority`'s):
+    each bucket's upper bound (wall seconds, "+Inf" as is) to how many were no larger."""
     buckets: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "kvgate_queue_wait_seconds":
+        if family.name != name:
             continue
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and sample.labels.get("priority") == priority:
-                le = sample.labels["le"]
-                buckets[le] = buckets.get(le, 0.0) + sample.value
+            if not sample.name.endswith("_bucket"):
+                continue
+            if priority is not None and sample.labels.get("priority") != priority:
+                continue
+            le = sample.labels["le"]
+            buckets[le] = buckets.get(le, 0.0) + sample.value
     return buckets
+
+
+def parse_queue_waits(text: str, priority: str = "critical") -> dict[str, float]:
+    """kvgate's `kvgate_queue_wait_seconds` buckets for one class."""
+    return parse_buckets(text, "kvgate_queue_wait_seconds", priority)
+
+
+def parse_estimate_errors(text: str) -> dict[str, float]:
+    """kvgate's `kvgate_queue_wait_estimate_error_seconds` buckets, every class."""
+    return parse_buckets(text, "kvgate_queue_wait_estimate_error_seconds")
+
+
+def estimate_error(buckets: dict[str, float], time_scale: float) -> dict[str, Any]:
+    """How far queued requests' waits were from kvgate's estimates (their wait less the
+    estimate, simulated seconds): how many, and the bucket bounds at their 10th, 50th and
+    90th percentiles (each the smallest bound that many were no larger than)."""
+    bounds = sorted((float(le), n) for le, n in buckets.items())
+    total = buckets.get("+Inf", 0.0)
+
+    def quantile(q: float) -> float | None:
+        for le, n in bounds:
+            if n >= q * total:
+                return None if le == float("inf") else _round(le / time_scale)
+        return None
+
+    return {"n": int(total), "p10": quantile(0.1), "p50": quantile(0.5), "p90": quantile(0.9)}
 
 
 def queued(buckets: dict[str, float], time_scale: float,

@@ -37,6 +37,7 @@ STEP = 0.1  # added per scrape while there is room and demand
 BACKOFF = 0.7  # multiplied on a new preemption or admission rejection
 EASE = 0.9  # multiplied per scrape while a preemption is coming (see the module docstring)
 ROOM = 0.85  # vLLM's own usage below this counts as room
+STRAINED_SCRAPES = 10  # a preemption keeps a replica "strained" this many scrapes
 HIGH_WATER = 0.95  # vLLM's own usage at or above this: the cache is next to full
 
 
@@ -47,7 +48,7 @@ class _Replica:
     preemptions: float | None = None
     rejections: float | None = None
     waiting: float | None = None
-    strained: bool = False  # its last scrape showed a preemption or an admission rejection
+    strained: int = 0  # scrapes left before a preemption or admission rejection is forgotten
 
 
 class Overcommit:
@@ -75,8 +76,9 @@ class Overcommit:
         `reserved_per_held`: the blocks its ledger reserves over those vLLM holds."""
         state = self._replicas.setdefault(replica_id, _Replica())
         high = kv_usage is not None and kv_usage >= ROOM
-        state.strained = _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections)
-        if state.strained:
+        lost = _rose(state.preemptions, preemptions) or _rose(state.rejections, rejections)
+        state.strained = STRAINED_SCRAPES if lost else max(0, state.strained - 1)
+        if lost:
             state.factor, state.settled = max(LOW, state.factor * BACKOFF), True
         elif (kv_usage is not None and kv_usage >= HIGH_WATER) or (
             high and _rose(state.waiting, waiting)
@@ -92,9 +94,11 @@ class Overcommit:
         return state.factor
 
     def strained(self, replica_id: str) -> bool:
-        """Its last scrape showed it preempting, or refusing requests at its queue limits."""
+        """One of its last STRAINED_SCRAPES scrapes showed it preempting, or refusing
+        requests at its queue limits: a replica under pressure, to which work conservation
+        (`kvgate.admission.room`) sends nothing past the ledger."""
         state = self._replicas.get(replica_id)
-        return state is not None and state.strained
+        return state is not None and state.strained > 0
 
     def items(self) -> list[tuple[str, float]]:
         return [(r, s.factor) for r, s in self._replicas.items()]

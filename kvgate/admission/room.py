@@ -17,16 +17,22 @@ kvgate's own requests had written then), what kvgate holds there throughout (wor
 reservations, shared prefixes, counted once), vLLM's watermark, and the blocks kept for the
 critical class where the request is of a lower class.
 
-The expected peak (`Curve`): every running request writes on at one pace; after n more
-blocks, one holds what it has plus n, times the chance that it is still going then (its
-length model's survival curve, `Demand.alive`: the share of known answers of its shape that
-got this far and went that much further; without one, it ends at its reservation). A burst
-of young requests with known lengths peaks when they near their ends together, at the sum of
-their reservations, as the ledger counts them; requests at staggered stages peak far lower,
-as some end while others grow. Preemption stays an overload signal: a replica that
-preempted since its previous scrape is closed to this path until a scrape shows none, and
-the ledger, steered by `kvgate.admission.overcommit`, decides alone. Worst-case requests
-never use this path: their guarantee is the ledger's.
+The peak (`Curve`): every running request writes on at one pace; after n more blocks, one
+holds what it has plus n if it is still going then, which it is with the chance its length
+model's survival curve gives (`Demand.alive`: the share of known answers of its shape that
+got this far and went that much further; without one, it ends at its reservation). The sum
+over the requests is read CONFIDENCE standard deviations above its expectation, so that few
+long answers of uncertain length get room for their spread. A burst of young requests with
+known lengths peaks when they near their ends together, at the sum of their reservations,
+as the ledger counts them; requests at staggered stages peak far lower, as some end while
+others grow.
+
+Work conservation is for normal load. A replica that preempted (or refused at its queue
+limits) in one of its last `overcommit.STRAINED_SCRAPES` (10) scrapes is closed to it, and so is a pool where
+a quarter of the requests of the last 10 s were refused at arrival for want of room
+(`PoolQueue.overloaded`): past capacity, letting more in only trades the ledger's promise for
+preemptions, and the ledger, steered by `kvgate.admission.overcommit`, decides alone.
+Worst-case requests never use this path: their guarantee is the ledger's.
 
 Pure arithmetic; no I/O.
 """
@@ -43,6 +49,9 @@ if TYPE_CHECKING:
     from kvgate.admission.demand import Demand, Slot
     from kvgate.fleet.snapshot import ReplicaView
 
+# The peak is read this many standard deviations above its expectation: few long answers of
+# uncertain length are given room for their spread, many short ones hardly need it.
+CONFIDENCE = 2.0
 # vLLM keeps this share of its blocks free when it starts a request (its scheduler's
 # watermark, 1%); work conservation keeps it too.
 WATERMARK = 0.01
@@ -87,21 +96,28 @@ def steps(longest: int) -> list[int]:
     return sorted({n for n in out if n <= longest})
 
 
-def occupancy(holding: Holding, at: Sequence[int], block_size: int) -> list[float]:
-    """The blocks `holding` is expected to hold after each step of `at`: what it holds plus
-    what it wrote since, times the chance it has not ended by then."""
+def occupancy(holding: Holding, at: Sequence[int], block_size: int) -> list[tuple[float, float]]:
+    """What `holding` holds after each step of `at` (what it holds now plus what it wrote
+    since, if it has not ended by then), as its expectation and variance: it is still going
+    with the chance its survival curve gives."""
     blocks = holding.blocks
     if holding.alive is None:  # it ends at its reservation
-        return [float(blocks + n) if blocks + n <= holding.reserved else 0.0 for n in at]
+        return [(float(blocks + n), 0.0) if blocks + n <= holding.reserved else (0.0, 0.0)
+                for n in at]  # fmt: skip
     alive = holding.alive
-    return [(blocks + n) * alive(holding.written, n * block_size) for n in at]
+    out = []
+    for n in at:
+        p, held = alive(holding.written, n * block_size), blocks + n
+        out.append((held * p, held * held * p * (1 - p)))
+    return out
 
 
 class Curve:
     """What a replica's running requests are expected to hold after each of a grid of steps
-    (`occupancy`, summed): made once, then read for each newcomer weighed against it."""
+    (`occupancy`, summed, with its variance: the requests end independently): made once,
+    then read for each newcomer weighed against it."""
 
-    __slots__ = ("at", "totals")
+    __slots__ = ("at", "means", "variances")
 
     def __init__(self, running: Sequence[Holding], block_size: int) -> None:
         longest = max((max(h.reserved, h.blocks) for h in running), default=0)
@@ -109,34 +125,38 @@ class Curve:
         ends = {h.reserved - h.blocks for h in running
                 if h.alive is None and h.reserved > h.blocks}  # fmt: skip
         self.at = sorted(ends.union(steps(max(1, 4 * longest))))
-        self.totals = [0.0] * len(self.at)
+        self.means = [0.0] * len(self.at)
+        self.variances = [0.0] * len(self.at)
         for holding in running:
-            for i, held in enumerate(occupancy(holding, self.at, block_size)):
-                self.totals[i] += held
+            for i, (mean, variance) in enumerate(occupancy(holding, self.at, block_size)):
+                self.means[i] += mean
+                self.variances[i] += variance
 
     def peak_with(self, newcomer: Holding, block_size: int) -> float:
-        """The most the running requests and `newcomer` are expected to hold at once. At a
-        step of the newcomer's own past the grid, the running requests count what they hold
-        at the grid's nearest steps around it, the more of the two."""
+        """The most the running requests and `newcomer` hold at once, at CONFIDENCE standard
+        deviations above its expectation at each step. At a step of the newcomer's own past
+        the grid, the running requests count what they hold at the grid's nearest steps
+        around it, the more of the two."""
         own = [] if newcomer.alive is not None or newcomer.reserved <= newcomer.blocks else [
             newcomer.reserved - newcomer.blocks]
         at = sorted(set(self.at).union(own))
-        held = occupancy(newcomer, at, block_size)
         peak = 0.0
-        for step, mine in zip(at, held, strict=True):
+        for step, (mine, my_variance) in zip(at, occupancy(newcomer, at, block_size),
+                                             strict=True):  # fmt: skip
             i = bisect.bisect_left(self.at, step)
             if i < len(self.at) and self.at[i] == step:
-                theirs = self.totals[i]
+                near = [i]
             else:  # between two grid steps, or past the last
-                theirs = max(self.totals[max(0, i - 1)], self.totals[min(i, len(self.at) - 1)])
-            peak = max(peak, theirs + mine)
+                near = [max(0, i - 1), min(i, len(self.at) - 1)]
+            for j in near:
+                high = self.means[j] + mine + CONFIDENCE * math.sqrt(self.variances[j] + my_variance)
+                peak = max(peak, high)
         return peak
 
 
 def expected_peak(running: Sequence[Holding], newcomer: Holding, block_size: int) -> float:
-    """The most the `running` requests and the `newcomer` are expected to hold at once, if
-    all write on at one pace and each ends as its survival curve says (the module
-    docstring)."""
+    """The most the `running` requests and the `newcomer` hold at once, if all write on at
+    one pace and each ends as its survival curve says (the module docstring)."""
     return Curve(running, block_size).peak_with(newcomer, block_size)
 
 

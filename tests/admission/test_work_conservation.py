@@ -126,14 +126,26 @@ def test_requests_at_staggered_stages_peak_below_their_reservations_sum() -> Non
 
 def test_a_survival_curve_weighs_each_step_by_the_chance_the_answer_is_still_running() -> None:
     """Half of such answers end within each 16 tokens: held 1 + n blocks after n steps with
-    chance 1/2^n; the expected most is at the first step or two (1 now, 2 × 1/2, 3 × 1/4)."""
+    chance 1/2^n (expected 1, 1, 0.75, 0.5), its spread that of a coin of those odds."""
 
     def halves(written: int, more: int) -> float:
         return 0.5 ** (more // 16)
 
     curve = Holding(1, 16, 10, halves)
-    assert occupancy(curve, [0, 1, 2, 3], 16) == [1.0, 1.0, 0.75, 0.5]
-    assert expected_peak([curve] * 9, curve, 16) == 10.0
+    assert [mean for mean, _ in occupancy(curve, [0, 1, 2, 3], 16)] == [1.0, 1.0, 0.75, 0.5]
+    assert [var for _, var in occupancy(curve, [0, 1], 16)] == [0.0, 4 * 0.25]
+    # ten such: 10 expected, at most 10 now and no spread; a step on, 10 expected ± 2 × √10
+    assert expected_peak([curve] * 9, curve, 16) == pytest.approx(10 + 2 * 10**0.5)
+
+
+def test_many_short_answers_need_less_room_for_their_spread_than_few_long_ones() -> None:
+    def coin(written: int, more: int) -> float:
+        return 0.5 if more else 1.0
+
+    many = expected_peak([Holding(1, 16, 2, coin)] * 99, Holding(1, 16, 2, coin), 16)
+    few = expected_peak([Holding(10, 160, 20, coin)] * 9, Holding(10, 160, 20, coin), 16)
+    # both hold 100 blocks now and expect as much a step on; the few spread further
+    assert many < few
 
 
 def test_the_steps_read_every_block_first_then_two_per_doubling() -> None:
@@ -172,3 +184,20 @@ async def test_a_burst_is_not_let_in_past_what_vllm_can_hold() -> None:
             await cm.__aexit__(None, None, None)
     assert n == 8  # 8 × 10 + 10 = 90 <= 99; a ninth: 100 + 11 > 99
     assert await h.held(r) == 0
+
+
+async def test_a_request_with_a_latency_target_is_placed_by_the_ledger_alone() -> None:
+    """Its wait estimate, and the refusals at arrival it decides, are read from the ledger:
+    letting it past the ledger under overload cost the production trace at 3× a fifth of its
+    goodput. vLLM has room here, and it still waits (then times out)."""
+    h = Harness(AdmissionConfig(
+        target_utilization=0.5, critical_headroom=0.0,
+        queue=QueueConfig(max_wait_s=0.05, ttft_target_s={"standard": 10.0}),
+    ))  # fmt: skip
+    r = replica("a", blocks=100)
+    scraped(r, usage=0.2)
+    h.admission.after_discovery([r])
+    async with await fill_ledger(h, r):
+        with pytest.raises(RateLimited):
+            async with admit(h, predicted(16 * 10), r):
+                pass
