@@ -193,6 +193,7 @@ class PoolQueue:
     # a request found no room on arrival since the last discovery round (it queued, or was
     # refused at once): demand the queue's depth alone would not show
     wanted_room: bool = False
+
     def take_demand(self) -> bool:
         """Whether requests wanted room here since the last call: some wait now, or one found
         none on arrival (refused at once, it never showed in the queue)."""
