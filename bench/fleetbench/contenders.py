@@ -15,6 +15,9 @@
                               gets: predicted, no latency targets, max_wait_s 60 s
     kvgate-redis-x2           two `kvgate serve` sharing state in Redis, predicted; the load
                               generator alternates between them
+    kvgate-priority           `kvgate serve`, predicted, in front of replicas that run vLLM's
+                              `--scheduling-policy priority` (pools declare it): each class
+                              is sent as vLLM's priority
 
 kvgate's settings that are durations (discovery, queue waits) are given in simulated seconds
 and multiplied by the fleet's time_scale, so kvgate sees the same time the replicas do.
@@ -73,6 +76,7 @@ class Contender:
     tree: str | None = None  # kvgate run from this checkout's code (`--ab`), not this one's
     targets: bool = True  # kvgate: the per-class latency targets and queue of TTFT_TARGET_S
     kv_events: bool = False  # kvgate subscribes to the replicas' KV cache events
+    vllm_priority: bool = False  # the replicas schedule by priority, and the pools say so
 
 
 
@@ -94,6 +98,9 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               describe="kvgate, admission as shipped: no latency targets, max_wait_s 60 s"),
     Contender("kvgate-redis-x2", "kvgate", mode="predicted", instances=2, redis=True,
               describe="two kvgate instances sharing Redis state, predicted, load split"),
+    Contender("kvgate-priority", "kvgate", mode="predicted", vllm_priority=True,
+              describe="kvgate, predicted, the class sent as vLLM's priority (replicas "
+                       "--scheduling-policy priority)"),
 ]}  # fmt: skip
 
 
@@ -192,6 +199,8 @@ def kvgate_config(contender: Contender, fleet: list[Replica], workload: Workload
     pools: dict[str, Any] = {}
     for replica in fleet:
         pool = pools.setdefault(replica.pool, {"replicas": []})
+        if contender.vllm_priority:
+            pool["scheduling_policy"] = "priority"
         entry: dict[str, Any] = {"url": replica.url, "name": replica.name}
         if contender.kv_events and replica.kv_events is not None:
             entry["kv_events"] = replica.kv_events

@@ -67,6 +67,9 @@ async def run(spec: RunSpec, items: list[WorkItem], logs: Path) -> dict[str, Any
               if spec.workload.kv_events else None)  # fmt: skip
     replicas = fleet.replicas(ports, spec.time_scale, spec.workload.output_lengths,
                               events_ports=events)  # fmt: skip
+    if spec.contender.vllm_priority:  # vLLM's --scheduling-policy priority
+        for replica in replicas:
+            replica.settings["scheduling_policy"] = "priority"
     wall_items = [dataclasses.replace(i, at_s=i.at_s * spec.time_scale) for i in items]
     running: contenders.Running | None = None
     started = time.monotonic()
