@@ -386,7 +386,9 @@ class Admission:
                 demand, waiter.ranking, config, closed, conserve
             ):
                 waiter.room_since = now  # held back for fair order while it would fit
-            if now - waiter.ranked_at < RERANK_S:
+            # its last ranking is trusted a while, unless it left it no replica at all (every
+            # one busy then): a busy mark may lapse within it, and the request would wait on
+            if now - waiter.ranked_at < RERANK_S and waiter.ranking.usable(waited):
                 wants = waiter.wants(waited, closed)
                 if book.passes_over(wants, demand.predicted):
                     book.passed_over(aged, wants)

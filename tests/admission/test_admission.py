@@ -334,3 +334,19 @@ async def test_a_store_failure_after_the_prefix_lease_does_not_leak_it(harness):
     assert await harness.held(r) == 0
     assert len(harness.admission.prefixes) == 0
     assert harness.admission.keeper.live_leases() == 0
+
+
+async def test_a_request_queued_while_every_replica_was_busy_is_placed_once_the_mark_lapses() -> None:
+    """Its only replica's vLLM had just refused one as busy (a 50 ms mark): it queues with no
+    replica to ask for, and is placed by the next pass after the mark lapses, not after its
+    last ranking (which named none) has aged half a second."""
+    h = Harness(AdmissionConfig(queue=QueueConfig(max_wait_s=0.3)))
+    r = replica("a", blocks=100)
+    task = asyncio.create_task(h.admission.dispatch("p"))
+    try:
+        h.admission.backpressure.refused(r.id, 0.05)
+        async with admit(h, demand(16 * 10), r) as slot:
+            assert slot.replica is r and slot.queued
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

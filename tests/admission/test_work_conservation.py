@@ -201,3 +201,4 @@ async def test_a_request_with_a_latency_target_is_placed_by_the_ledger_alone() -
         with pytest.raises(RateLimited):
             async with admit(h, predicted(16 * 10), r):
                 pass
+
