@@ -145,7 +145,6 @@ class Prediction:
         expected = written if seen is None else math.ceil(seen)
         return min(self.max_tokens, max(1, self.floor, written, expected))
 
-
     def surviving(self, written: int, more: int) -> float:
         """The chance that an answer that has written `written` tokens writes `more` more:
         the share of the known answers longer than `written` that were longer than

@@ -72,7 +72,7 @@ class Holding:
 def holdings(slots: Iterable[Slot], block_size: int) -> list[Holding]:
     """What each of this instance's predicted reservations on one replica holds and may
     write of its own, its shared prefix left out (those blocks are held once for all who
-    share them, and counted so: `vllm_room`'s `shared`); one not sent yet has written
+    share them, and counted so: `vllm_room`'s `held`); one not sent yet has written
     nothing."""
     out = []
     for slot in slots:
@@ -83,6 +83,14 @@ def holdings(slots: Iterable[Slot], block_size: int) -> list[Holding]:
         blocks = min(max(0, math.ceil(written / block_size) - shared), slot.blocks)
         out.append(Holding(blocks, written, slot.blocks, slot.alive))
     return out
+
+
+def last_step(holding: Holding) -> int | None:
+    """For a request without a survival curve, the step at which it holds the most: the
+    last before it ends at its reservation (None: it has a curve, or is there already)."""
+    if holding.alive is not None or holding.reserved <= holding.blocks:
+        return None
+    return holding.reserved - holding.blocks
 
 
 def steps(longest: int) -> list[int]:
@@ -121,9 +129,7 @@ class Curve:
 
     def __init__(self, running: Sequence[Holding], block_size: int) -> None:
         longest = max((max(h.reserved, h.blocks) for h in running), default=0)
-        # and the last step of each that ends at its reservation: its most
-        ends = {h.reserved - h.blocks for h in running
-                if h.alive is None and h.reserved > h.blocks}  # fmt: skip
+        ends = {n for h in running if (n := last_step(h)) is not None}
         self.at = sorted(ends.union(steps(max(1, 4 * longest))))
         self.means = [0.0] * len(self.at)
         self.variances = [0.0] * len(self.at)
@@ -137,9 +143,8 @@ class Curve:
         deviations above its expectation at each step. At a step of the newcomer's own past
         the grid, the running requests count what they hold at the grid's nearest steps
         around it, the more of the two."""
-        own = [] if newcomer.alive is not None or newcomer.reserved <= newcomer.blocks else [
-            newcomer.reserved - newcomer.blocks]
-        at = sorted(set(self.at).union(own))
+        own = last_step(newcomer)
+        at = self.at if own is None else sorted({*self.at, own})
         peak = 0.0
         for step, (mine, my_variance) in zip(at, occupancy(newcomer, at, block_size),
                                              strict=True):  # fmt: skip
@@ -152,12 +157,6 @@ class Curve:
                 high = self.means[j] + mine + CONFIDENCE * math.sqrt(self.variances[j] + my_variance)
                 peak = max(peak, high)
         return peak
-
-
-def expected_peak(running: Sequence[Holding], newcomer: Holding, block_size: int) -> float:
-    """The most the `running` requests and the `newcomer` hold at once, if all write on at
-    one pace and each ends as its survival curve says (the module docstring)."""
-    return Curve(running, block_size).peak_with(newcomer, block_size)
 
 
 def others_blocks(view: ReplicaView, written_then: int | None) -> int:
@@ -175,9 +174,8 @@ def vllm_room(
     """Whether the replica could carry the demand now besides `running` (the `Curve` of this
     instance's predicted reservations there, their own blocks) and `held` (the rest of what
     this instance holds there throughout: its worst-case reservations, its shared prefixes),
-    by its own
-    vLLM figures (see the module docstring). False when those cannot say: no fresh scrape,
-    its size or usage unknown, or requests waiting in its own queue."""
+    by its own vLLM figures (see the module docstring). False when those cannot say: no
+    fresh scrape, its size or usage unknown, or requests waiting in its own queue."""
     total = view.num_gpu_blocks
     if not view.scraped or view.kv_usage is None or not total or view.waiting:
         return False

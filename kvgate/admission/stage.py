@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from kvgate.admission.backpressure import Backpressure
 from kvgate.admission.demand import Demand, Slot
@@ -196,26 +196,52 @@ class Admission:
         """The first of the replicas the ranking lets a request that has waited `waited_s`
         use (`Ranking.usable`), not `closed` to this request, whose ledger takes the demand,
         or (`conserve`) whose vLLM could carry it now (`_room_limit`)."""
-        for view in ranking.usable(waited_s):
-            if view.id in closed or (limit := limit_for(view, demand, config)) is None:
-                continue
-            room = self._room_limit(view, demand, limit) if conserve else None
+        for view, limit, conserved in self._limits(
+            demand, ranking, config, waited_s, closed, conserve
+        ):
             slot = await self.ledger.reserve(
-                view.replica, demand, limit if room is None else room, config.lease_ttl_s,
+                view.replica, demand, limit, config.lease_ttl_s,
                 on_stale=lambda stale: self._release(self.pool(demand.pool), stale),
             )
             if slot is not None:
                 self.backpressure.placed(view.id)
                 slot.queued_s = waited_s
-                if room is not None:
+                if conserved:
                     self.metrics.work_conserving.labels(demand.pool, view.id).inc()
                 return slot
         return None
 
+    def fits(
+        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, only: frozenset[str],
+        conserve: bool,
+    ) -> bool:
+        """Whether one of the replicas `only` that the ranking lets the demand use has room
+        for it now, on its ledger or (`conserve`) by its vLLM's own figures (nothing is
+        reserved)."""
+        closed = frozenset(v.id for v in ranking.replicas) - only
+        return any(
+            view.reserved_blocks + demand.blocks_on(view.replica) <= limit
+            for view, limit, _ in self._limits(demand, ranking, config, math.inf, closed, conserve)
+        )
+
+    def _limits(
+        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, waited_s: float,
+        closed: frozenset[str], conserve: bool,
+    ) -> Iterator[tuple[ReplicaView, int, bool]]:
+        """In ranking order, each replica the demand may be placed on after `waited_s`, not
+        `closed` to it, with the most its ledger may hold with the demand on it: the ledger's
+        own limit, or (`conserve`) past it where its vLLM could carry the demand now, and
+        whether it is that."""
+        for view in ranking.usable(waited_s):
+            if view.id in closed or (limit := limit_for(view, demand, config)) is None:
+                continue
+            room = self._room_limit(view, demand, limit) if conserve else None
+            yield view, (limit if room is None else room), room is not None
+
     def _room_limit(self, view: ReplicaView, demand: Demand, limit: int) -> int | None:
         """Work conservation (`kvgate.admission.room`): where the ledger's `limit` leaves no
         room for a predicted demand but the replica could carry it now, the ledger limit at
-        which it fits; else None. Only for requests without a latency target: the wait
+        which it fits; else None. Asked only for requests without a latency target: the wait
         estimate that refuses those at arrival is read from the ledger, and letting requests
         past it under overload cost the production trace at 3× a fifth of its goodput (4.25
         against 5.28, docs/admission.md)."""
@@ -246,21 +272,6 @@ class Admission:
         )
         self._curves[view.id] = (key, now, curve)
         return curve
-
-    def fits(
-        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, only: frozenset[str],
-        conserve: bool,
-    ) -> bool:
-        """Whether one of the replicas `only` that the ranking lets the demand use has room
-        for it now, on its ledger or (`conserve`) by its vLLM's own figures (nothing is
-        reserved)."""
-        for view in ranking.usable(math.inf):
-            if view.id not in only or (limit := limit_for(view, demand, config)) is None:
-                continue
-            room = self._room_limit(view, demand, limit) if conserve else None
-            if view.reserved_blocks + demand.blocks_on(view.replica) <= (room or limit):
-                return True
-        return False
 
     async def _wait(self, pool: PoolQueue, waiter: Waiter, waited_s: float = 0.0) -> Slot:
         """Queue the request until the dispatcher places it, up to max_wait_s less the

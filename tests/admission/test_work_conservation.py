@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvgate.admission.demand import Demand, Slot
-from kvgate.admission.room import Holding, expected_peak, holdings, occupancy, steps
+from kvgate.admission.room import Curve, Holding, holdings, occupancy, steps
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.replicas import Replica
@@ -43,6 +43,18 @@ def harness(headroom: float = 0.0) -> Harness:
 async def fill_ledger(h: Harness, r: Replica) -> Any:
     """Half of the replica's 100 blocks reserved: the ledger's limit."""
     return admit(h, predicted(16 * 50), r)
+
+
+async def waits_past_full_ledger(h: Harness, r: Replica, demand: Demand) -> None:
+    """With the ledger at its limit, `demand` is not admitted: it waits, then times out."""
+    async with await fill_ledger(h, r):
+        with pytest.raises(RateLimited):
+            async with admit(h, demand, r):
+                pass
+
+
+def expected_peak(running: list[Holding], newcomer: Holding, block_size: int) -> float:
+    return Curve(running, block_size).peak_with(newcomer, block_size)
 
 
 def metric(h: Harness, name: str, *labels: str) -> float:
@@ -88,23 +100,16 @@ async def test_worst_case_requests_never_use_vllms_word() -> None:
     h, r = harness(), replica("a", blocks=100)
     scraped(r, usage=0.0)
     h.admission.after_discovery([r])
-    async with await fill_ledger(h, r):
-        with pytest.raises(RateLimited):
-            async with admit(h, Demand("p", "m", 16 * 10, "t", "standard"), r):
-                pass
+    await waits_past_full_ledger(h, r, Demand("p", "m", 16 * 10, "t", "standard"))
 
 
 async def test_the_critical_classs_kept_blocks_are_not_offered_to_lower_classes() -> None:
     """vLLM has 30 blocks free; 10% of the 50 admissible (5 blocks) are the critical class's
-    and a standard request of 28 does not fit the rest (30 - 1 watermark - 5 = 24); a
-    critical one does."""
+    and a standard request of 28 does not fit the rest (30 - 1 watermark - 5 = 24)."""
     h, r = harness(headroom=0.1), replica("a", blocks=100)
     scraped(r, usage=0.7)
     h.admission.after_discovery([r])
-    async with await fill_ledger(h, r):
-        with pytest.raises(RateLimited):
-            async with admit(h, predicted(16 * 28), r):
-                pass
+    await waits_past_full_ledger(h, r, predicted(16 * 28))
 
 
 def ends_at(blocks: int, reserved: int) -> Holding:
@@ -197,8 +202,5 @@ async def test_a_request_with_a_latency_target_is_placed_by_the_ledger_alone() -
     r = replica("a", blocks=100)
     scraped(r, usage=0.2)
     h.admission.after_discovery([r])
-    async with await fill_ledger(h, r):
-        with pytest.raises(RateLimited):
-            async with admit(h, predicted(16 * 10), r):
-                pass
+    await waits_past_full_ledger(h, r, predicted(16 * 10))
 
