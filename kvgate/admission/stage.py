@@ -18,7 +18,9 @@ blocks and its share of its prefix exactly once (`kvgate.protect.finish`).
 
 Queue order: a request that does not fit yet holds back lower classes on the replicas it
 could use, and everyone there once it has aged (`Waiter.aged`: half its target, or half
-max_wait_s), so large requests still make progress; otherwise smaller requests pass it. What
+max_wait_s), so large requests still make progress; otherwise smaller requests pass it. One
+that has waited half of max_wait_s (`Waiter.overdue`) goes before every younger request,
+whatever their class: a higher class that keeps arriving cannot starve a lower one. What
 a request needs and holds (`Demand`, `Slot`) lives in `kvgate.admission.demand`.
 """
 
@@ -373,8 +375,8 @@ class Admission:
             await self._serve_pass(pool)
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
-        """One pass over the queue in service order, each request placed under the admission
-        config it arrived with. A request that does not fit puts up a barrier on the replicas
+        """One pass over the queue in service order, the overdue first (`Waiter.overdue`),
+        each request placed under the admission config it arrived with. A request that does not fit puts up a barrier on the replicas
         it could use: requests of a lower class may not take them, nor may anyone once it has
         aged (`Waiter.aged`), so large requests still make progress. Requests for other
         replicas go on. Within a pass, once a request of n blocks did not fit on a set of
@@ -383,7 +385,10 @@ class Admission:
         deep queue ranks the requests it may place, not every one."""
         now = self.clock()
         book = PassBook()
-        for ticket in list(pool.queue):
+        tickets = list(pool.queue)
+        # the overdue first, whatever their class: no class starves another past max_wait_s
+        tickets.sort(key=lambda t: not t.payload.overdue(t.enqueued_at, now))
+        for ticket in tickets:
             waiter: Waiter = ticket.payload
             demand, future, config = waiter.demand, waiter.future, waiter.config
             if future.done():

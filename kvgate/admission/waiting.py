@@ -87,7 +87,13 @@ class Waiter:
         waited, target = now - enqueued_at, self.target_s
         if target is not None and AGING_SHARE * target < waited <= target:
             return True
-        return waited > AGING_SHARE * self.config.queue.max_wait_s
+        return self.overdue(enqueued_at, now)
+
+    def overdue(self, enqueued_at: float, now: float) -> bool:
+        """It has waited AGING_SHARE of max_wait_s: it goes before every younger request,
+        whatever their class, so that a higher class that keeps arriving cannot make it
+        wait out max_wait_s (docs/admission.md, "Class order")."""
+        return now - enqueued_at > AGING_SHARE * self.config.queue.max_wait_s
 
     def wants(self, waited_s: float, closed: frozenset[str]) -> Wants | None:
         """What its latest ranking lets it ask for after `waited_s`, less the `closed`
@@ -268,13 +274,13 @@ class PoolQueue:
         ids: Collection[str],
         upto: Ticket | None = None,
         room: int | None = None,
-        now: float = 0.0,
+        now: float | None = None,
     ) -> Iterator[Wants]:
         """What each queued request asks for that is ahead in service order (up to `upto`),
         wants one of the replicas `ids` and will start before this demand: every one of a
-        better class; of its own class, with `room` given, all but those it can pass — one
-        that needs more than `room` and has not aged (one no larger gets the room first, as
-        it frees)."""
+        better class, and of a worse one those overdue; of its own class, with `room` given,
+        all but those it can pass — one that needs more than `room` and has not aged (one no
+        larger gets the room first, as it frees)."""
         if not len(self.queue):  # the usual case: nobody waits
             return
         rank = PRIORITY_CLASSES.index(demand.priority)
@@ -282,7 +288,11 @@ class PoolQueue:
             if queued is upto:
                 return
             waiter: Waiter = queued.payload
-            if queued.rank > rank or waiter.future.done():
+            if waiter.future.done():
+                continue
+            if now is None:
+                now = waiter.clock()
+            if queued.rank > rank and not waiter.overdue(queued.enqueued_at, now):
                 continue
             wants = waiter.asks()
             if wants is None or wants.ids.isdisjoint(ids):

@@ -618,3 +618,39 @@ async def test_headroom_is_told_at_predicted_demand_and_at_the_worst_case():
         assert view.overcommit == 1.0
         assert view.headroom_blocks("predicted") == 900 - 270
         assert view.headroom_requests("predicted") == (900 - 270) // 36 == 17
+
+
+@pytest.fixture
+async def busy_gate() -> AsyncIterator[Gate]:
+    """No latency targets: every request waits for room, up to a 2-second max_wait_s."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=2)))
+    task = asyncio.create_task(g.admission.dispatch("p"))
+    yield g
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_lower_class_is_not_starved_by_a_higher_class_that_keeps_arriving(busy_gate):
+    """Two critical clients keep a replica full, each asking again the moment its last
+    request ends; a sheddable request waiting for half of it still starts, once it has waited
+    half its max_wait_s (it then goes before every younger request, whatever its class),
+    instead of timing out behind them."""
+    r = replica("a", blocks=100)
+    stop = asyncio.Event()
+
+    async def critical_client(name: str) -> int:
+        served = 0
+        while not stop.is_set():
+            async with admit(busy_gate, Demand("p", "m", 16 * 50, name, "critical"), r):
+                served += 1
+                await asyncio.sleep(0.05)
+        return served
+
+    clients = [asyncio.create_task(critical_client(f"vip-{i}")) for i in range(2)]
+    await asyncio.sleep(0.1)
+    try:
+        assert await enter(busy_gate, Demand("p", "m", 16 * 50, "bulk", "sheddable"), r) == 100
+    finally:
+        stop.set()
+        served = await asyncio.gather(*clients)
+    assert min(served) > 5  # the critical clients were served all along
