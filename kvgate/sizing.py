@@ -50,6 +50,8 @@ class Sizing:
             token_ids=count.token_ids if parsed.sequences == 1 and bound.prompts == 1 else None,
             # the request runs at most total_s once forwarded; the lease TTL is the grace
             max_hold_s=config.timeouts.total_s + config.admission.lease_ttl_s,
+            first_in_vllm=(tenant.priority == "critical"
+                           and config.pools[pool].scheduling_policy == "priority"),
             **self.predicted(pool, parsed, tenant, bound, config),
         )
 

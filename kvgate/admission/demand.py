@@ -57,6 +57,9 @@ class Demand:
     # sequences), writes so many more before it ends: its length model's survival curve, for
     # work conservation (`kvgate.admission.room`). None: no curve (it ends at its reservation)
     alive: Callable[[int, int], float] | None = field(default=None, compare=False)
+    # vLLM runs it ahead of what waits there (its pool schedules by priority, and its class
+    # is critical): a long vLLM queue is then no reason to keep it in kvgate's
+    first_in_vllm: bool = False
 
     @property
     def reserve_tokens(self) -> int:

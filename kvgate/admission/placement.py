@@ -24,11 +24,11 @@ from kvgate.routing.ranking import Ranking
 def limit_for(view: ReplicaView, demand: Demand, config: AdmissionConfig) -> int | None:
     """The most `view`'s ledger may hold with the demand on it, or None when the demand may
     not go there now: its capacity is unknown, the demand alone exceeds it, or its vLLM queue
-    is longer than `max_replica_waiting`."""
+    is longer than `max_replica_waiting` and would hold it (`Demand.first_in_vllm`)."""
     limit = demand.limit_on(view)
     if limit is None or demand.blocks_on(view.replica) > limit:
         return None
-    if (view.waiting or 0) > config.max_replica_waiting:
+    if (view.waiting or 0) > config.max_replica_waiting and not demand.first_in_vllm:
         return None
     return limit
 

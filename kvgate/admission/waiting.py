@@ -350,7 +350,8 @@ class PoolQueue:
         for (view, _), held, free in zip(options, reserved, room, strict=True):
             share = ahead * held / total if total else ahead / len(options)
             short = demand.blocks_on(view.replica) - free + share
-            backlog = (view.waiting or 0) - config.max_replica_waiting
+            backlog = 0 if demand.first_in_vllm else (
+                (view.waiting or 0) - config.max_replica_waiting)
             if short <= 0 and backlog <= 0:
                 return 0.0
             if hold is not None:

@@ -158,3 +158,41 @@ async def test_a_declared_fcfs_pool_refuses_a_clients_priority_without_forwardin
         status, body = await post(session, gw.url, "sk-app", model=STUB_MODEL, priority=0)
         assert status == 200, body  # vLLM's default passes
     await wait_settled(gw)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+async def test_a_long_vllm_queue_holds_the_critical_class_only_where_it_would_wait_there(
+    policy, sim_factory, gateway_factory
+):
+    """kvgate's own limit on vLLM's queue (max_replica_waiting, 4 by default) keeps requests
+    out of a queue they would wait in. On a priority pool the critical class runs ahead of
+    that queue, so it is sent at once; on fcfs it would wait behind it, and waits in kvgate
+    instead (ahead of every bulk request held there)."""
+    sim = await sim_factory(scheduling_policy=policy, max_num_seqs=1, time_scale=0.1)
+    gw = await gateway_factory(gateway_config(
+        [sim.url], pools={"default": {"replicas": [{"url": sim.url}], "scheduling_policy": policy}},
+        auth={"mode": "api_key"}, tenants=TENANTS, discovery={"interval_s": 0.05},
+    ))
+    (replica,), pool = gw.gateway.registry, gw.gateway.admission.pool("default")
+
+    async def until(what: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not what() and time.monotonic() < deadline:  # noqa: ASYNC110 (polls state)
+            await asyncio.sleep(0.005)
+        assert what()
+
+    async with aiohttp.ClientSession() as session:
+        bulk = [asyncio.create_task(post(session, gw.url, "sk-bulk", max_tokens=200))
+                for _ in range(8)]
+        await until(lambda: replica.scrape is not None and (replica.scrape.waiting or 0) > 4)
+        bulk += [asyncio.create_task(post(session, gw.url, "sk-bulk", max_tokens=200))
+                 for _ in range(3)]
+        await until(lambda: len(pool.queue) == 3)  # held in kvgate for vLLM's queue
+        status, body = await post(session, gw.url, "sk-vip", max_tokens=5)
+        assert status == 200, body
+        results = await asyncio.gather(*bulk)
+    assert all(status == 200 for status, _ in results)
+    waits = gw.gateway.metrics.queue_wait.labels("default", "critical")
+    waited = next(s.value for m in waits.collect() for s in m.samples if s.name.endswith("_sum"))
+    await wait_settled(gw)
+    assert (waited == 0.0) == (policy == "priority"), waited
