@@ -339,15 +339,15 @@ class Admission:
         """Refuse the queued request at once (429 wait_budget_exceeded) if it is expected to
         start later than its latency target, or than max_wait_s (without a target, or with
         a longer one: it would time out anyway), less the `waited_s` already spent: the
-        estimate, plus how much later than their estimates the pool's recent requests
-        started."""
+        estimate, corrected by how the pool's recent estimates came out
+        (`PoolQueue.corrected_wait`)."""
         waiter: Waiter = ticket.payload
         now = self.clock()
         estimate = pool.expected_wait(ticket, waiter.config, self.reserved, now)
         if estimate is None:
             return
         waiter.expected_s = estimate
-        expected = estimate + pool.lateness_s(now)
+        expected = pool.corrected_wait(estimate, now)
         max_wait, target = waiter.config.queue.max_wait_s, waiter.target_s
         limit = max_wait if target is None else min(target, max_wait)
         if expected <= limit - waited_s:

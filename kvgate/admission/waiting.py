@@ -37,6 +37,9 @@ CLAIMED_WINDOW_S = 10.0
 # new is learned, and what was learned must not refuse them forever).
 LATENESS_MIN_SAMPLES = 8
 LATENESS_WINDOW_S = 30.0
+# Estimates of at least this long are scaled by how long such estimates really took
+# (`PoolQueue.corrected_wait`); shorter ones are mostly the time a request ahead takes to end.
+SCALED_FROM_S = 1.0
 # A serving pass trusts a queued request's last ranking this long to tell that it cannot be
 # placed (a smaller one was just refused where it would ask): within it, a replica that came
 # up meanwhile waits for the next ranking.
@@ -191,7 +194,8 @@ class PoolQueue:
     # (when, class rank, blocks) of the requests placed here lately
     placed: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=1024))
     # (when, seconds later than estimated) of recent requests with a target, as they started
-    late: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # (when, expected, waited) of the requests placed from the queue lately
+    late: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # the blocks recent requests reserved on arrival, on predicted demand (those that were
     # predicted), and their worst cases (all of them): the sizes headroom is counted in
     predicted_sizes: RecentSizes = field(default_factory=RecentSizes)
@@ -214,17 +218,26 @@ class PoolQueue:
 
     def started(self, expected_s: float, waited_s: float, now: float) -> None:
         """A request estimated to wait `expected_s` was placed after `waited_s`."""
-        self.late.append((now, waited_s - expected_s))
+        self.late.append((now, expected_s, waited_s))
 
-    def lateness_s(self, now: float) -> float:
-        """How much later than estimated requests start here: the 75th percentile of the
-        recent errors (0 with fewer than LATENESS_MIN_SAMPLES; never below 0). What the
-        estimate leaves out — reservations that grow, classes admitted on other limits, holds
-        that lengthen as load rises — is learned from what happened instead."""
-        errors = sorted(e for t, e in self.late if now - t <= LATENESS_WINDOW_S)
-        if len(errors) < LATENESS_MIN_SAMPLES:
-            return 0.0
-        return max(0.0, errors[int(0.75 * (len(errors) - 1))])
+    def corrected_wait(self, estimate_s: float, now: float) -> float:
+        """`estimate_s` corrected by how the pool's recent estimates came out (none with
+        fewer than LATENESS_MIN_SAMPLES in the last LATENESS_WINDOW_S): scaled down, where
+        it is SCALED_FROM_S or more, by the median of actual over expected among such
+        estimates (never up: a wait that grows with load is what the lateness is for); then
+        the lateness added, the 75th percentile of how much later than estimated requests
+        started (never below 0). What the estimate leaves out — reservations that grow,
+        classes admitted on other limits, holds that lengthen or shorten with load — is
+        learned from what happened instead."""
+        recent = [(e, w) for t, e, w in self.late if now - t <= LATENESS_WINDOW_S]
+        if len(recent) < LATENESS_MIN_SAMPLES:
+            return estimate_s
+        scale = 1.0
+        long = sorted(w / e for e, w in recent if e >= SCALED_FROM_S)
+        if estimate_s >= SCALED_FROM_S and len(long) >= LATENESS_MIN_SAMPLES:
+            scale = min(1.0, long[len(long) // 2])
+        errors = sorted(w - e for e, w in recent)
+        return estimate_s * scale + max(0.0, errors[int(0.75 * (len(errors) - 1))])
 
     def took(self, priority: str, blocks: int, now: float) -> None:
         """A request of class `priority` was placed, with `blocks` reserved."""

@@ -572,13 +572,39 @@ def test_how_late_requests_start_against_their_estimate_is_learned_and_forgotten
     now = time.monotonic()
     for late in (0.5, 1.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0):
         pool.started(0.2, 0.2 + late, now)
-    assert pool.lateness_s(now) == 3.0  # the 75th percentile
-    assert pool.lateness_s(now + LATENESS_WINDOW_S + 1) == 0.0  # nothing learned lately
-    early = PoolQueue()
-    for _ in range(8):
-        early.started(2.0, 0.5, now)
-    assert early.lateness_s(now) == 0.0  # starting early never shortens an estimate
+    assert pool.corrected_wait(0.5, now) == 3.5  # the 75th percentile, added
+    assert pool.corrected_wait(0.5, now + LATENESS_WINDOW_S + 1) == 0.5  # nothing lately
 
+
+def test_long_estimates_that_came_out_shorter_are_scaled_down_short_ones_are_not():
+    pool, now = PoolQueue(), time.monotonic()
+    for expected in (2.0, 4.0, 8.0, 10.0, 20.0, 40.0, 50.0, 60.0):
+        pool.started(expected, expected / 5, now)  # every one took a fifth of its estimate
+    assert pool.corrected_wait(70.0, now) == pytest.approx(14.0)
+    assert pool.corrected_wait(0.5, now) == 0.5  # below SCALED_FROM_S: as estimated
+    slow = PoolQueue()
+    for expected in (2.0, 4.0, 8.0, 10.0, 20.0, 40.0, 50.0, 60.0):
+        slow.started(expected, expected * 2, now)
+    # never scaled up: the lateness (the 75th percentile of the errors, 40 s) is added instead
+    assert slow.corrected_wait(70.0, now) == 110.0
+
+
+async def test_a_request_estimated_past_max_wait_is_let_in_where_such_estimates_came_true_sooner():
+    """Estimated at 9 s against a 5 s max_wait_s it would be refused at arrival; but long
+    estimates here have taken a tenth of their time: it waits, and starts when room frees."""
+    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=5)))
+    long_holds(g, seconds=20.0)  # 90 held free 4.5 blocks a second: the 40 missing in 9 s
+    pool = g.admission.pool("p")
+    for _ in range(8):
+        pool.started(10.0, 1.0, time.monotonic())
+    r = replica("a", blocks=100)
+    async with dispatching(g):
+        async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
+            waiting = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # let in: it waits for its room
+        async with asyncio.timeout(2):
+            assert await waiting == 50
 
 async def test_a_request_is_refused_when_requests_like_it_have_been_starting_later_than_estimated():
     """Estimated at 4 s against a 6 s target it would be let in; but requests here have been
