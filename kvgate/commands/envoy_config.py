@@ -18,6 +18,8 @@ from kvgate.config import Config, ConfigError, load_config
 from kvgate.epp.envoy import bootstrap
 from kvgate.fleet.replicas import Replica
 
+BODY_MODES = {"streamed": "STREAMED", "none": "NONE", "full-duplex": "FULL_DUPLEX_STREAMED"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="kvgate's YAML config (server.epp.port set)")
@@ -26,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--picker", metavar="HOST:PORT",
                         help="where Envoy reaches kvgate's picker (server.epp's address)")
     parser.add_argument("--admin", metavar="HOST:PORT", help="Envoy's admin listener (none)")
-    parser.add_argument("--response-body", choices=["streamed", "none"], default="streamed",
+    parser.add_argument("--response-body", choices=list(BODY_MODES), default="streamed",
                         help="streamed: the answer's body through kvgate (exact charges); "
                              "none: only its headers and end (cheaper; charged by the "
-                             "replica's decode clock)")
+                             "replica's decode clock); full-duplex: both bodies in full "
+                             "duplex, as Istio, kgateway and GKE configure ext_proc (no "
+                             "message timeout while a request queues)")
     parser.add_argument("--failure-mode-allow", action="store_true",
                         help="while kvgate is down, Envoy round-robins (default: it refuses)")
 
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     tree = bootstrap(
         listen=args.listen, picker=args.picker or f"{host}:{epp.port}", replicas=replicas,
         admin=args.admin, failure_mode_allow=args.failure_mode_allow,
-        response_body=args.response_body.upper(),
+        response_body=BODY_MODES[args.response_body],
         message_timeout_s=message_timeout_s(config),
         max_body_bytes=config.server.max_body_bytes,
         total_s=config.timeouts.total_s, idle_s=config.timeouts.idle_s,

@@ -74,9 +74,12 @@ def bootstrap(
     pick from (the protocol's subset hint, as a gateway sets it per route), sent with every
     request. `response_body`: STREAMED, the answer's body through kvgate (its tokens counted,
     its usage read: exact charges); NONE, only its headers and its end (the charge from the
-    replica's decode clock; the cheapest). `total_s` and `idle_s`: Envoy's timeouts for the
+    replica's decode clock; the cheapest); FULL_DUPLEX_STREAMED, both bodies in full duplex,
+    as Istio, kgateway and the Inference Extension's own charts configure ext_proc (trailers
+    sent, no mode override, the served endpoint in `envoy.lb`). `total_s` and `idle_s`: Envoy's timeouts for the
     whole answer and for a gap in it (kvgate's `timeouts`; Envoy enforces them, answering 504
     itself, which kvgate reads from the response flags)."""
+    duplex = response_body == "FULL_DUPLEX_STREAMED"
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -86,19 +89,21 @@ def bootstrap(
             "message_timeout": f"{message_timeout_s:g}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
+                "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
                 "response_header_mode": "SEND",
                 "response_body_mode": response_body,
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
+                # full duplex needs the trailers: they may be what ends a body
+                "request_trailer_mode": "SEND" if duplex else "SKIP",
+                "response_trailer_mode": "SEND" if duplex else "SKIP",
             },
-            # a replica's 5xx is read whole before the client sees it
-            "allow_mode_override": True,
+            # a replica's 5xx is read whole before the client sees it (in full duplex its
+            # headers wait for its body: no override is needed, and Envoy allows none)
+            "allow_mode_override": not duplex,
             "request_attributes": ["source.address"],
             # the pick's metadata may be written into the load balancer's namespace
             "metadata_options": {
                 "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
-                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]},
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]},
             },
         },
     }

@@ -36,6 +36,9 @@ from kvgate.epp.stream import (
     body_reply,
     headers_of,
     headers_reply,
+    metadata_struct,
+    served_of,
+    streamed_replies,
     unchanged,
 )
 from kvgate.errors import UpstreamError, UpstreamTimeout
@@ -61,6 +64,7 @@ class EnvoyRequest:
         self.stream = stream
         self.incoming = incoming  # the client's headers, as Envoy has them
         self.raw = b""  # the client's body, as Envoy buffered it
+        self.bodyless = False  # the request ended with its headers
         # Envoy sends the answer's body through kvgate (its response_body_mode STREAMED); else
         # (NONE, headers mode) only the answer's headers and then its end
         self.sees_body = True
@@ -76,7 +80,7 @@ class EnvoyRequest:
         """Answer the request body with the pick; the answer once its headers came."""
         attempt, replica, t = request.attempt, request.replica, request.timeouts
         deadline = time.monotonic() + t.total_s
-        await self.stream.answer(self.pick(request))
+        await self.send_pick(request)
         self.picked = True
         attempt.sent_at = time.monotonic()
         try:
@@ -97,7 +101,7 @@ class EnvoyRequest:
         if flags & TIMED_OUT:
             attempt.upstream_failed = attempt.timed_out = True
             raise UpstreamTimeout(f"replica {replica.id} did not answer within Envoy's timeout")
-        served = headers.get(SERVED)
+        served = served_of(message) or headers.get(SERVED)
         if served and served != replica.address:
             # Envoy's cluster lacks the pick (override_host fell back): booked here, run there
             attempt.upstream_failed = True
@@ -111,9 +115,25 @@ class EnvoyRequest:
             request, status, deadline, read=self.read, readany=self.readany, aclose=self.aclose,
         )
 
-    def pick(self, request: UpstreamRequest) -> ProcessingResponse:
-        """The request body's answer: the endpoint, and the request as kvgate sends it on
-        (its headers as the proxy would send them; its body where kvgate changed it)."""
+    async def send_pick(self, request: UpstreamRequest) -> None:
+        """The pick, as the answer to the request's body; in full duplex, as the answer to its
+        headers, then the body itself (Envoy keeps no copy) and its trailers' answer."""
+        stream = self.stream
+        if "request_body" not in stream.duplex:
+            await stream.answer(self.pick(request))
+            return
+        await stream.answer(self.pick(request, "request_headers"))
+        if not self.bodyless:
+            trailers = stream.trailers
+            for chunk in streamed_replies("request_body", request.body, trailers is None):
+                await stream.send(chunk)
+            if trailers is not None:
+                await stream.send(unchanged(trailers))
+
+    def pick(self, request: UpstreamRequest, phase: str = "request_body") -> ProcessingResponse:
+        """The pick, as the answer to `phase`: the endpoint, and the request as kvgate sends it
+        on (its headers as the proxy would send them; its body where kvgate changed it, or in
+        full duplex not at all: its headers' answer cannot carry it)."""
         wanted = CIMultiDict(request.headers)
         for name in SYSTEM_OWNED:  # the picker's and the data plane's, never the client's
             wanted.popall(name, None)
@@ -122,14 +142,17 @@ class EnvoyRequest:
             name for name in dict.fromkeys(self.incoming)
             if not name.startswith(":") and name not in wanted and name not in ENVOY_OWNED
         ]
+        metadata = {LB_NAMESPACE: {DESTINATION: request.replica.address}}
+        if phase == "request_headers":  # Envoy drops a content-length here, and sends it chunked
+            wanted.popall("content-length", None)
+            reply = headers_reply(phase, wanted, remove)
+            reply.dynamic_metadata.CopyFrom(metadata_struct(metadata))
+            return reply
         body = None
         if request.body != self.raw:
             body = request.body
             wanted["content-length"] = str(len(body))
-        return body_reply(
-            "request_body", body, set_headers=wanted, remove=remove,
-            metadata={LB_NAMESPACE: {DESTINATION: request.replica.address}},
-        )
+        return body_reply(phase, body, set_headers=wanted, remove=remove, metadata=metadata)
 
     async def deliver(
         self, answer: UpstreamResponse, headers: Mapping[str, str], client_wants_usage: bool
@@ -164,8 +187,10 @@ class EnvoyRequest:
             await answer.aclose()
 
     async def answer_headers(self, headers: Mapping[str, str], *, buffer: bool = False) -> None:
+        """The answer's headers go on with kvgate's own, less those the data plane added for
+        kvgate alone (where it sent the request, how that went): the client never sees them."""
         await self.stream.answer(
-            headers_reply("response_headers", headers, remove=[FLAGS], buffer_body=buffer)
+            headers_reply("response_headers", headers, remove=[FLAGS, SERVED], buffer_body=buffer)
         )
         self.answered = True
 
@@ -176,6 +201,14 @@ class EnvoyRequest:
             judge_whole(answer, b"")
             await self.answer_headers(headers)
             self.finished = True
+            return
+        if "response_body" in self.stream.duplex:  # its chunks come while its headers wait
+            error = judge_whole(answer, await self.whole_body(answer))
+            body = orjson.dumps(error)
+            await self.answer_headers(headers)
+            for reply in streamed_replies("response_body", body, True):
+                await self.stream.send(reply)
+            self.ended = self.finished = True
             return
         await self.answer_headers(headers, buffer=True)
         message = await self.stream.next()
@@ -189,6 +222,19 @@ class EnvoyRequest:
         )
         self.ended = self.finished = True
 
+    async def whole_body(self, answer: UpstreamResponse) -> bytes:
+        """Full duplex: the answer's body, every chunk up to its end (its trailers, if it has
+        them, end it too; they go nowhere: kvgate answers in their place)."""
+        parts: list[bytes] = []
+        while (message := await self.stream.read_more()) is not None:
+            if message.WhichOneof("request") != "response_body":
+                return b"".join(parts)
+            parts.append(message.response_body.body)
+            if message.response_body.end_of_stream:
+                return b"".join(parts)
+        raise UpstreamError(f"Envoy ended the exchange before replica "
+                            f"{answer.request.replica.id}'s {answer.status} was whole")
+
     async def readany(self) -> bytes:
         """The answer's next body chunk (b"" at its end); the one before goes on, as changed.
         The last stays awaiting its answer (a flush may still add to it) until `aclose`."""
@@ -201,6 +247,9 @@ class EnvoyRequest:
             return b""
         if message.WhichOneof("request") != "response_body":  # trailers: the body is over
             self.ended = True
+            if "response_body" in self.stream.duplex:  # what is flushed goes before them
+                self.chunk, self.out = b"", []
+                return b""
             await self.stream.answer(unchanged(message))
             return b""
         self.chunk, self.out = message.response_body.body, []
@@ -230,9 +279,21 @@ class EnvoyRequest:
         if self.out is None:
             return
         out, self.out = b"".join(self.out), None
-        await self.stream.answer_if_pending(
-            body_reply("response_body", None if out == self.chunk else out)
-        )
+        stream = self.stream
+        if "response_body" not in stream.duplex:
+            await stream.answer_if_pending(
+                body_reply("response_body", None if out == self.chunk else out)
+            )
+            return
+        pending = stream.pending
+        if pending is None or stream.context.done():
+            return
+        if pending.WhichOneof("request") == "response_trailers":  # the body is over: then they go
+            for reply in streamed_replies("response_body", out, False) if out else ():
+                await stream.send(reply)
+            await stream.answer(unchanged(pending))
+            return
+        await stream.answer_streamed("response_body", out, pending.response_body.end_of_stream)
 
     async def aclose(self) -> None:
         """The last chunk goes on: the whole answer is then Envoy's to deliver."""

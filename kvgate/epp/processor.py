@@ -61,29 +61,36 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = {e.value: e for e in Endpoint}
 MODELS = "/v1/models"
-# How Envoy may send the answer's body: through kvgate chunk by chunk (or whole), or not at all.
-BODY_MODES = {ProcessingMode.STREAMED, ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL,
-              ProcessingMode.NONE}  # fmt: skip
+DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+# How Envoy may send the request's body: whole, or in full duplex (kvgate reads it all, then
+# picks, then streams it on); and the answer's: through kvgate (chunk by chunk, whole, or in
+# full duplex), or not at all.
+REQUEST_BODY_MODES = {ProcessingMode.BUFFERED, DUPLEX}
+RESPONSE_BODY_MODES = {ProcessingMode.STREAMED, ProcessingMode.BUFFERED,
+                       ProcessingMode.BUFFERED_PARTIAL, ProcessingMode.NONE, DUPLEX}  # fmt: skip
 
 
-def body_mode(first: ProcessingRequest) -> int:
-    """The answer's body mode Envoy says it will use (its first message's protocol_config;
-    an Envoy that does not say: STREAMED, as kvgate's Envoy config sets it). The request's
-    body must come buffered whole: kvgate picks before anything is sent on."""
+def body_modes(first: ProcessingRequest) -> tuple[int, int]:
+    """The request's and the answer's body modes Envoy says it will use (its first message's
+    protocol_config; an Envoy that does not say: BUFFERED and STREAMED, as kvgate's Envoy
+    config sets them). kvgate picks before anything of the request is sent on, so its body
+    must come whole or in full duplex (where Envoy holds the request until the pick)."""
     if not first.HasField("protocol_config"):
-        return int(ProcessingMode.STREAMED)
+        return int(ProcessingMode.BUFFERED), int(ProcessingMode.STREAMED)
     config = first.protocol_config
-    if config.request_body_mode != ProcessingMode.BUFFERED:
-        name = ProcessingMode.BodySendMode.Name(config.request_body_mode)
-        raise ServerError(f"Envoy's request_body_mode is {name}: kvgate needs BUFFERED, so that "
-                          "it picks before anything is sent on")
-    mode = int(config.response_body_mode)
-    if mode not in BODY_MODES:
+    name = ProcessingMode.BodySendMode.Name
+    if config.request_body_mode not in REQUEST_BODY_MODES:
         raise ServerError(
-            f"Envoy's response_body_mode {ProcessingMode.BodySendMode.Name(mode)} is not one "
-            "kvgate follows: use STREAMED (the body through kvgate) or NONE (headers only)"
+            f"Envoy's request_body_mode is {name(config.request_body_mode)}: kvgate needs "
+            "BUFFERED or FULL_DUPLEX_STREAMED, so that it picks before anything is sent on"
         )
-    return mode
+    if config.response_body_mode not in RESPONSE_BODY_MODES:
+        raise ServerError(
+            f"Envoy's response_body_mode {name(config.response_body_mode)} is not one kvgate "
+            "follows: use FULL_DUPLEX_STREAMED or STREAMED (the body through kvgate), or NONE "
+            "(headers only)"
+        )
+    return int(config.request_body_mode), int(config.response_body_mode)
 
 
 class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -120,6 +127,7 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             await self.not_a_request(stream, info, method, path, endpoint is not None)
             return
         envoy = EnvoyRequest(stream, client)
+        envoy.bodyless = first.request_headers.end_of_stream
         work = asyncio.ensure_future(self.decide(stream, first, info, endpoint, envoy))
         try:
             await asyncio.shield(work)
@@ -145,9 +153,14 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
     ) -> None:
         """The request path for one OpenAI request, recorded by how it ended."""
         try:
-            await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
+            request_mode, response_mode = body_modes(first)
+            stream.duplex = frozenset(phase for phase, mode in (
+                ("request_body", request_mode), ("response_body", response_mode)
+            ) if mode == DUPLEX)
+            if request_mode != DUPLEX:  # in full duplex, the headers' answer is the pick
+                await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
             x = Exchange(self.gateway.runtime, info, endpoint, envoy.incoming)
-            envoy.sees_body = body_mode(first) != ProcessingMode.NONE
+            envoy.sees_body = response_mode != ProcessingMode.NONE
             x.raw = envoy.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
             plane = Plane(
                 BreakerTransport(envoy, self.gateway.breakers), envoy.deliver,
@@ -185,17 +198,43 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         await stream.answer(immediate(error, info.request_id))
 
     async def body(self, stream: EnvoyStream, first: ProcessingRequest, limit: int) -> bytes:
-        """The request's whole body, in the one message Envoy buffers it in; left awaiting
-        its answer, the pick."""
+        """The request's whole body: in the one message Envoy buffers it in, left awaiting its
+        answer, the pick; or in full duplex, every chunk up to its end (or its trailers, kept
+        for the pick to answer), the headers awaiting the pick."""
         if first.request_headers.end_of_stream:
             return b""
+        if "request_body" in stream.duplex:
+            return await self.chunks(stream, limit)
         message = await stream.next()
         if message is None or message.WhichOneof("request") != "request_body":
-            raise ServerError("Envoy sent no request body: kvgate needs request_body_mode BUFFERED")
+            raise ServerError("Envoy sent no request body: kvgate needs request_body_mode "
+                              "BUFFERED or FULL_DUPLEX_STREAMED")
         if not message.request_body.end_of_stream:
             raise ServerError("Envoy streamed the request body: kvgate needs request_body_mode "
-                              "BUFFERED, so that it picks before anything is sent on")
+                              "BUFFERED or FULL_DUPLEX_STREAMED, so that it picks before "
+                              "anything is sent on")
         body = bytes(message.request_body.body)
         if len(body) > limit:
             raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
         return body
+
+    async def chunks(self, stream: EnvoyStream, limit: int) -> bytes:
+        """Full duplex: the request's body chunks, read up to its end."""
+        parts: list[bytes] = []
+        size = 0
+        while (message := await stream.read_more()) is not None:
+            phase = message.WhichOneof("request")
+            if phase == "request_trailers":
+                stream.trailers = message
+                break
+            if phase != "request_body":
+                raise ServerError(f"Envoy sent {phase} before the request's body ended")
+            size += len(message.request_body.body)
+            if size > limit:
+                raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+            parts.append(message.request_body.body)
+            if message.request_body.end_of_stream:
+                break
+        else:
+            raise ServerError("Envoy ended the exchange before the request's body ended")
+        return b"".join(parts)

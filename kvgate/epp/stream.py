@@ -30,6 +30,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ImmediateResponse,
     ProcessingRequest,
     ProcessingResponse,
+    StreamedBodyResponse,
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
@@ -51,19 +52,36 @@ SERVED = "x-gateway-destination-endpoint-served"
 FLAGS = "x-kvgate-envoy-flags"
 # Headers only the data plane or the picker may set: never taken from the client.
 SYSTEM_OWNED = (DESTINATION, SUBSET, SERVED, "x-gateway-destination-endpoint-fallback")
+# In full duplex, a body goes back in chunks of at most this (some gateways cap each at 64 KiB).
+CHUNK_BYTES = 62_000
 
 
 class EnvoyStream:
+    """`pending`: the message awaiting its answer. A body Envoy sends in full duplex (its
+    phase in `duplex`) comes without waiting for any answer, and goes on only as kvgate sends
+    it back (`answer_streamed`); each chunk is still answered before the next is read, but a
+    request's headers, whose answer is the pick, wait while the body is read (`read_more`)."""
+
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.context = context
         self.pending: ProcessingRequest | None = None  # the message awaiting its answer
         self.messages: asyncio.Queue[ProcessingRequest | BaseException | None] = asyncio.Queue()
         self.reader: asyncio.Task[None] | None = None
         self.closed = False  # Envoy closed its side
+        self.duplex: frozenset[str] = frozenset()  # the body phases in FULL_DUPLEX_STREAMED
+        # full duplex: the request's trailers, which ended its body; answered after the body
+        self.trailers: ProcessingRequest | None = None
 
     async def next(self) -> ProcessingRequest | None:
         """Envoy's next message (the one before it answered); None once Envoy closed its side."""
         assert self.pending is None, "answer a message before reading the next"
+        message = await self.read_more()
+        self.pending = message
+        return message
+
+    async def read_more(self) -> ProcessingRequest | None:
+        """Envoy's next message, owing it no answer of its own (full duplex: what answers it
+        is streamed later); None once Envoy closed its side."""
         if self.closed:
             return None
         if self.reader is None:
@@ -74,7 +92,6 @@ class EnvoyStream:
         if message is None:
             self.closed = True
             return None
-        self.pending = message
         return message
 
     async def _read(self) -> None:
@@ -102,6 +119,18 @@ class EnvoyStream:
         self.pending = None
         await self.context.write(response)
 
+    async def send(self, response: ProcessingResponse) -> None:
+        """A message of its own: in full duplex, what answers no message in particular."""
+        await self.context.write(response)
+
+    async def answer_streamed(self, phase: str, body: bytes, end_of_stream: bool) -> None:
+        """Full duplex: answer the pending body chunk with `body`, in as many chunks as it
+        takes, the last one ending the body where `end_of_stream`."""
+        first, *rest = streamed_replies(phase, body, end_of_stream)
+        await self.answer(first)
+        for reply in rest:
+            await self.send(reply)
+
     async def answer_if_pending(self, response: ProcessingResponse) -> bool:
         """Answer the pending message, if any, unless the stream is over (Envoy reset it);
         whether it was answered."""
@@ -115,7 +144,7 @@ class EnvoyStream:
     async def pass_through(self) -> None:
         """Answer everything Envoy still sends with "go on, unchanged", until it closes."""
         while (message := await self.next()) is not None:
-            await self.answer(unchanged(message))
+            await self.answer(unchanged(message, self.duplex))
 
 
 def header_pairs(headers: HeaderMap) -> list[tuple[str, str]]:
@@ -135,14 +164,36 @@ def headers_of(headers: HeaderMap) -> dict[str, str]:
     return out
 
 
-def unchanged(message: ProcessingRequest) -> ProcessingResponse:
-    """The answer that lets `message` go on as it is."""
+def unchanged(message: ProcessingRequest, duplex: frozenset[str] = frozenset()) -> ProcessingResponse:
+    """The answer that lets `message` go on as it is (a body chunk in a `duplex` phase goes
+    on only as kvgate sends it back: Envoy keeps no copy)."""
     phase = message.WhichOneof("request")
     if phase in ("request_headers", "response_headers"):
         return ProcessingResponse(**{phase: HeadersResponse()})
     if phase in ("request_body", "response_body"):
+        if phase in duplex:
+            chunk = getattr(message, phase)
+            return streamed_reply(phase, chunk.body, chunk.end_of_stream)
         return ProcessingResponse(**{phase: BodyResponse()})
     return ProcessingResponse(**{phase: TrailersResponse()})
+
+
+def streamed_reply(phase: str, chunk: bytes, end_of_stream: bool) -> ProcessingResponse:
+    """One chunk of a body sent back in full duplex."""
+    mutation = BodyMutation(streamed_response=StreamedBodyResponse(
+        body=chunk, end_of_stream=end_of_stream,
+    ))
+    return ProcessingResponse(**{phase: BodyResponse(response=CommonResponse(
+        body_mutation=mutation,
+    ))})
+
+
+def streamed_replies(phase: str, body: bytes, end_of_stream: bool) -> list[ProcessingResponse]:
+    """`body` sent back in full duplex: chunks of at most CHUNK_BYTES (one, empty, for an
+    empty body), the last ending the body where `end_of_stream`."""
+    chunks = [body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
+    last = len(chunks) - 1
+    return [streamed_reply(phase, c, end_of_stream and i == last) for i, c in enumerate(chunks)]
 
 
 def header_options(headers: Mapping[str, str]) -> list[HeaderValueOption]:
@@ -188,11 +239,16 @@ def body_reply(
         )
     response = ProcessingResponse(**{phase: BodyResponse(response=common)})
     if metadata:
-        struct = Struct()
-        for namespace, values in metadata.items():
-            struct.fields[namespace].struct_value.update(dict(values))
-        response.dynamic_metadata.CopyFrom(struct)
+        response.dynamic_metadata.CopyFrom(metadata_struct(metadata))
     return response
+
+
+def metadata_struct(metadata: Mapping[str, Mapping[str, str]]) -> Struct:
+    """Dynamic metadata for Envoy: namespace -> key -> value."""
+    struct = Struct()
+    for namespace, values in metadata.items():
+        struct.fields[namespace].struct_value.update(dict(values))
+    return struct
 
 
 def immediate(error: KvgateError, request_id: str) -> ProcessingResponse:
@@ -214,6 +270,15 @@ def immediate_json(
         body=orjson.dumps(body),
         details=details,
     ))
+
+
+def served_of(message: ProcessingRequest) -> str | None:
+    """The endpoint (host:port) the data plane sent the request to, where it says: in the
+    `envoy.lb` metadata, as the protocol has it."""
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if namespace is None or SERVED not in namespace.fields:
+        return None
+    return namespace.fields[SERVED].string_value or None
 
 
 def subset_of(message: ProcessingRequest) -> frozenset[str] | None:

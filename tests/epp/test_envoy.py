@@ -40,8 +40,9 @@ async def post(
         return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
 
 
-# Envoy's response_body_mode: the answer's body through kvgate, or only its headers and end.
-BODY_MODES = ["STREAMED", "NONE"]
+# Envoy's response_body_mode: the answer's body through kvgate, or only its headers and end;
+# or both bodies in full duplex, as Istio, kgateway and GKE configure it.
+BODY_MODES = ["STREAMED", "NONE", "FULL_DUPLEX_STREAMED"]
 
 
 @pytest.mark.parametrize("body", BODY_MODES)
@@ -60,8 +61,8 @@ async def test_the_openai_client_gets_the_same_answers_through_envoy_as_from_kvg
             raw = await client.chat.completions.with_raw_response.create(
                 model=SIM_MODEL, messages=messages, max_tokens=12,
             )
-            if name == "envoy":  # Envoy sent it where kvgate picked
-                assert raw.headers[SERVED] == raw.headers["x-kvgate-replica"]
+            if name == "envoy":  # where Envoy sent it is kvgate's to know, not the client's
+                assert SERVED not in raw.headers and "x-kvgate-envoy-flags" not in raw.headers
             chat = raw.parse()
             # the same books: kvgate's count of the prompt and the blocks it reserved
             books = (raw.headers["x-kvgate-prompt-tokens"], raw.headers["x-kvgate-reserved-blocks"])
@@ -147,7 +148,7 @@ async def test_no_room_is_a_429_with_retry_after_and_a_queued_request_is_served_
             stub.gate.set()
             await held.read()
         status, headers, _ = await queued
-        assert status == 200 and headers[SERVED] == address(stub)
+        assert status == 200 and headers["x-kvgate-replica"] == address(stub)
     assert len(stub.received) == 2  # the refused one never went
     await wait_released(gw)
 
@@ -223,8 +224,10 @@ async def test_the_subset_hint_is_honoured_and_one_with_no_eligible_endpoint_is_
     envoy = await envoy_factory(gw, replicas, subset=[only])
     nowhere = await envoy_factory(gw, replicas, subset=["10.255.0.1:8000"])
     async with aiohttp.ClientSession() as http:
-        served = {(await post(http, envoy.url, bodies.chat(f"q{i}", model=SIM_MODEL)))[1][SERVED]
-                  for i in range(6)}
+        served = {
+            (await post(http, envoy.url, bodies.chat(f"q{i}", model=SIM_MODEL)))[1]["x-kvgate-replica"]
+            for i in range(6)
+        }
         assert served == {only}
         status, _, raw = await post(http, nowhere.url, bodies.chat(model=SIM_MODEL))
         assert status == 503 and openai_error(raw)["code"] == "no_replica"
@@ -334,10 +337,15 @@ async def test_the_client_cannot_steer_the_pick_nor_reach_another_path(
     envoy = await envoy_factory(gw, stubs)
     steer = {"x-gateway-destination-endpoint": address(stubs[1]), "X-Tenant-Id": "someone",
              "x-gateway-destination-endpoint-subset": address(stubs[1])}
+    picked = []
     async with aiohttp.ClientSession() as http:
         for i in range(10):
             status, headers, _ = await post(http, envoy.url, bodies.chat(f"q{i}"), headers=steer)
-            assert status == 200 and headers[SERVED] == headers["x-kvgate-replica"]
+            assert status == 200
+            picked.append(headers["x-kvgate-replica"])
+        # each went where kvgate picked, not where the client asked
+        assert [picked.count(address(s)) for s in stubs] == [len(s.received) for s in stubs]
+        assert picked.count(address(stubs[0])) > 0
         seen = [{k.lower() for k in h} for s in stubs for h in s.headers_seen]
         assert seen and not any(
             "x-tenant-id" in h or "x-gateway-destination-endpoint-subset" in h for h in seen)
@@ -425,4 +433,36 @@ async def test_a_stream_that_ends_on_an_unterminated_event_reaches_the_client_wh
     assert answers["envoy"].count(b'"content":"tok') == 4
     assert (b'"usage"' in answers["envoy"]) is usage
     assert answers["envoy"].rstrip(b"\n") == answers["kvgate"].rstrip(b"\n")
+    await wait_released(gw)
+
+
+@pytest.mark.parametrize("body", BODY_MODES)
+async def test_a_long_prompt_and_a_normalized_one_reach_the_replica_whole_in_every_mode(
+    body, stub_factory, gateway_factory, envoy_factory, monkeypatch
+):
+    """A 220 KB prompt (Envoy hands it over in several chunks in full duplex, and kvgate sends
+    it back in several) and a prompt kvgate normalizes reach the replica exactly as kvgate's
+    own port sends them, and the answers come back whole."""
+    import kvgate.epp.processor as processor
+
+    modes: list[tuple[int, int]] = []
+    seen = processor.body_modes
+    monkeypatch.setattr(processor, "body_modes",
+                        lambda first: modes.append(seen(first)) or modes[-1])  # fmt: skip
+    stub = await stub_factory(max_model_len=65_536, num_gpu_blocks=8192)
+    gw = await gateway_factory(epp_config([stub.url], server={"max_body_bytes": 1 << 20}))
+    envoy = await envoy_factory(gw, [stub], response_body=body)
+    long = bodies.chat("lorem ipsum dolor " * 12_000, max_tokens=5)  # 216 KB of text
+    spaced = bodies.chat("  what   time is it?  ", max_tokens=5)
+    async with aiohttp.ClientSession() as http:
+        for request in (long, spaced):
+            for url in (gw.url, envoy.url):
+                status, _, raw = await post(http, url, request)
+                assert status == 200, raw
+                assert orjson.loads(raw)["choices"], raw
+    direct, through = stub.received[0::2], stub.received[1::2]
+    assert len(stub.received) == 4 and direct == through
+    assert len(orjson.dumps(through[0])) > 200_000
+    duplex = body == "FULL_DUPLEX_STREAMED"
+    assert modes and all((m[0] == 4) == duplex for m in modes), modes  # what Envoy said it does
     await wait_released(gw)
