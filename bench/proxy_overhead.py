@@ -23,6 +23,8 @@ Starts, each in its own process(es) on 127.0.0.1:
                         Its CPU is Envoy's and the picker's (`picker CPU`), both on core 0
       envoy+kvgate-epp-headers  the same with Envoy's response_body_mode NONE: the answer
                         goes past kvgate, which hears its headers and its end
+      envoy+kvgate-epp-duplex  the same with both bodies FULL_DUPLEX_STREAMED, as Istio,
+                        kgateway and GKE configure ext_proc
 Then drives every contender with the same aiohttp client from this process: non-streamed chat
 (max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
 of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
@@ -76,7 +78,11 @@ RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
               "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r", "envoy",
-              "envoy+kvgate-epp", "envoy+kvgate-epp-headers")  # fmt: skip
+              "envoy+kvgate-epp", "envoy+kvgate-epp-headers", "envoy+kvgate-epp-duplex")  # fmt: skip
+# Envoy's response_body_mode for each picker contender (full duplex: both bodies, as Istio,
+# kgateway and GKE configure ext_proc)
+EPP_BODY = {"envoy+kvgate-epp": "STREAMED", "envoy+kvgate-epp-headers": "NONE",
+            "envoy+kvgate-epp-duplex": "FULL_DUPLEX_STREAMED"}
 PICKER = ":picker"  # the child process of an Envoy contender that picks for it
 
 
@@ -365,7 +371,7 @@ async def start_servers(
                                            "--workers", "1"], proxy_cpus)  # fmt: skip
             ready[name + PICKER] = f"http://127.0.0.1:{http_port}/ready"
             ready[name] = start_envoy(children, name, port, stub, f"127.0.0.1:{picker}",
-                                      proxy_cpus, "NONE" if kind.endswith("-headers") else "STREAMED")  # fmt: skip
+                                      proxy_cpus, EPP_BODY[kind])  # fmt: skip
             continue
         else:
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None

@@ -1,9 +1,12 @@
 """The gRPC listener Envoy calls: the external processor and gRPC health.
 
-Health answers for the whole server ("") and `envoy.service.ext_proc.v3.ExternalProcessor`
-(liveness: SERVING while the picker runs, NOT_SERVING from the start of shutdown, so that
-health checks move on before the listener goes), and for `kvgate.readiness`: what /ready
-says (every configured model has a healthy replica), followed once a second.
+Health follows the endpoint picker protocol's names and meaning: `liveness` is SERVING while
+the picker runs; `readiness`, the processor's own service
+(`envoy.service.ext_proc.v3.ExternalProcessor`) and the whole server ("") are SERVING while
+kvgate can pick — what /ready says (every configured model has a healthy replica), followed
+once a second — so a gateway's health check sends no request to a picker that would refuse
+it. Every service is NOT_SERVING from the start of shutdown, so that checks move on before
+the listener goes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from kvgate.epp.processor import Processor
 from kvgate.gateway import Gateway
 
 PROCESSOR = "envoy.service.ext_proc.v3.ExternalProcessor"
-READINESS = "kvgate.readiness"
-SERVICES = ("", PROCESSOR, READINESS)
+LIVENESS, READINESS = "liveness", "readiness"
+READY_SERVICES = ("", PROCESSOR, READINESS)  # SERVING while kvgate can pick
+SERVICES = (LIVENESS, *READY_SERVICES)
 READINESS_EVERY_S = 1.0
 
 
@@ -48,10 +52,13 @@ class EppServer:
 
     async def start(self) -> None:
         await self.server.start()
-        for service in ("", PROCESSOR):
-            await self.health.set(service, _status(True))
-        await self.health.set(READINESS, _status(self.ready()))
+        await self.health.set(LIVENESS, _status(True))
+        await self.set_ready(self.ready())
         self.watch = asyncio.create_task(self.follow_readiness())
+
+    async def set_ready(self, ready: bool) -> None:
+        for service in READY_SERVICES:
+            await self.health.set(service, _status(ready))
 
     def ready(self) -> bool:
         return bool(readiness(self.gateway)["ready"])
@@ -62,7 +69,7 @@ class EppServer:
             await asyncio.sleep(READINESS_EVERY_S)
             now = self.ready()
             if now != was:
-                await self.health.set(READINESS, _status(now))
+                await self.set_ready(now)
                 was = now
 
     async def stop(self, grace_s: float) -> None:

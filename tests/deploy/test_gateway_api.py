@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvgate.config import parse_config
-from kvgate.epp.server import SERVICES
+from kvgate.epp.server import LIVENESS
 
 BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAY = BASE / "gateway-api"
@@ -189,7 +189,7 @@ def test_only_the_gateway_reaches_the_pickers_grpc_port():
 
 def test_the_picker_is_probed_where_kvgate_answers_and_drains_before_its_kill():
     container = picker()
-    assert container["livenessProbe"]["grpc"]["service"] in SERVICES
+    assert container["livenessProbe"]["grpc"]["service"] == LIVENESS  # not readiness: no restarts
     assert container["livenessProbe"]["grpc"]["port"] == picker_config().server.epp.port
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     spec = one("Deployment", "kvgate-epp")["spec"]["template"]["spec"]

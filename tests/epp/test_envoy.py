@@ -234,24 +234,31 @@ async def test_the_subset_hint_is_honoured_and_one_with_no_eligible_endpoint_is_
     await wait_released(gw)
 
 
+@pytest.mark.parametrize("body", ["STREAMED", "FULL_DUPLEX_STREAMED"])
 @pytest.mark.parametrize("allow", [True, False])
 async def test_failure_mode_allow_decides_what_envoy_does_once_kvgate_is_gone(
-    allow, sim_factory, gateway_factory, envoy_factory
+    allow, body, sim_factory, gateway_factory, envoy_factory
 ):
+    """Fail open (the InferencePool's `failureMode: FailOpen`) or closed. In full duplex,
+    Envoy 1.40 fails open only until a body chunk went to the picker, and it sends the first
+    one without waiting for the picker: with the picker gone it fails closed all the same."""
     replicas = [await sim_factory(**SIM, seed=i) for i in range(2)]
     gw = await gateway_factory(epp_config([r.url for r in replicas]))
-    envoy = await envoy_factory(gw, replicas, failure_mode_allow=allow)
+    envoy = await envoy_factory(gw, replicas, failure_mode_allow=allow, response_body=body)
     async with aiohttp.ClientSession() as http:
         load = [asyncio.create_task(post(http, envoy.url, bodies.chat(f"q{i}", model=SIM_MODEL)))
                 for i in range(8)]
         before = await asyncio.gather(*load[:4])
         await picker_of(gw).server.stop(0)  # kvgate's picker dies mid-load
-        after = await asyncio.gather(*load[4:], *(
+        # those under way when it died end as Envoy can end them (in full duplex it fails
+        # closed once their bodies went to the picker: an answer may be cut)
+        await asyncio.gather(*load[4:], return_exceptions=True)
+        after = await asyncio.gather(*(
             post(http, envoy.url, bodies.chat(f"late{i}", model=SIM_MODEL)) for i in range(4)
         ))
     assert all(status == 200 for status, _, _ in before)
-    late = [status for status, _, _ in after[4:]]
-    if allow:  # Envoy's fallback balancer serves them
+    late = [status for status, _, _ in after]
+    if allow and body != "FULL_DUPLEX_STREAMED":  # Envoy's fallback balancer serves them
         assert late == [200] * 4
     else:
         assert all(status >= 500 for status in late), late
@@ -323,10 +330,13 @@ async def test_the_picker_answers_grpc_health_and_other_paths_pass_through(
         await stub.runner.cleanup()  # the only replica goes: not ready, still alive
 
         async def not_ready() -> bool:
-            return await status("kvgate.readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+            return await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
 
         await eventually(not_ready, what="readiness followed /ready")
-        assert await status(PROCESSOR) == serving
+        # the protocol's meaning: the processor serves only while it can pick; alive still
+        for service in ("", PROCESSOR):
+            assert await status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await status("liveness") == serving
 
 
 async def test_the_client_cannot_steer_the_pick_nor_reach_another_path(
@@ -465,4 +475,32 @@ async def test_a_long_prompt_and_a_normalized_one_reach_the_replica_whole_in_eve
     assert len(orjson.dumps(through[0])) > 200_000
     duplex = body == "FULL_DUPLEX_STREAMED"
     assert modes and all((m[0] == 4) == duplex for m in modes), modes  # what Envoy said it does
+    await wait_released(gw)
+
+
+async def test_in_full_duplex_a_request_queues_past_the_gateways_message_timeout(
+    stub_factory, gateway_factory, envoy_factory
+):
+    """kgateway sets ext_proc's message_timeout to 5 s, and the picker's answer to a queued
+    request's headers waits while it queues; in full duplex Envoy runs no message timer, so a
+    request queued for longer is still served."""
+    stub = await stub_factory(num_gpu_blocks=20, gate=asyncio.Event())
+    gw = await gateway_factory(epp_config(
+        [stub.url], admission={"mode": "worst_case", "queue": {"max_wait_s": 30}},
+    ))
+    envoy = await envoy_factory(gw, [stub], response_body="FULL_DUPLEX_STREAMED",
+                                message_timeout_s=0.5)  # fmt: skip
+    body = bodies.chat("hold", max_tokens=200, stream=True)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{envoy.url}/v1/chat/completions", json=body) as held:
+            assert held.status == 200
+            await held.content.readline()  # its first chunk: the stream holds its blocks
+            queued = asyncio.create_task(post(http, envoy.url, bodies.chat(max_tokens=200)))
+            await eventually(lambda: len(gw.gateway.admission.pool("default").queue) == 1)
+            await asyncio.sleep(1.5)  # three message timeouts
+            assert stub.gate is not None
+            stub.gate.set()
+            await held.read()
+        status, _, raw = await queued
+        assert status == 200, raw
     await wait_released(gw)
