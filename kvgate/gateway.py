@@ -48,7 +48,7 @@ from kvgate.request.catalog import (
 )
 from kvgate.request.front import FrontStage
 from kvgate.request.info import REQUEST_INFO
-from kvgate.request.parsed import Endpoint, ParsedRequest, read_body
+from kvgate.request.parsed import MODEL_REWRITE, Endpoint, ParsedRequest, read_body
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
@@ -57,7 +57,7 @@ from kvgate.routing.sessions import session_key
 from kvgate.runtime import Runtime
 from kvgate.sizing import Sizing
 from kvgate.state.base import StateStore
-from kvgate.tenants import Budgets, check_access
+from kvgate.tenants import OBJECTIVE, Budgets, check_access, under_objective
 from kvgate.transport.attempts import Attempts
 from kvgate.transport.base import Transport, UpstreamRequest, upstream_headers
 from kvgate.transport.breaker import BreakerTransport
@@ -131,13 +131,15 @@ class Gateway:
         """Parse and validate, identify the tenant, normalize the prompt (counted,
         fingerprinted and forwarded as normalized), count its tokens; a large body in a
         worker process."""
-        rt = x.rt
+        rt, headers = x.rt, x.headers
         front = await self.front.take(
             x.raw, x.endpoint, rt, x.info,
-            identify=lambda: rt.directory.identify(x.headers, remote),
+            identify=lambda: rt.directory.identify(headers, remote),
             allow=lambda parsed, tenant: self.allow(rt, parsed, tenant),
+            model=headers.get(MODEL_REWRITE),  # the gateway serves it as another model
         )
-        x.parsed, x.tenant, x.count = front.parsed, front.tenant, front.count
+        x.parsed, x.count = front.parsed, front.count
+        x.tenant = under_objective(front.tenant, headers.get(OBJECTIVE), rt.config.objectives)
         x.fingerprint, x.edited = front.fingerprint, front.edited
 
     def size(self, x: Exchange) -> None:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.admission.leases import LeaseKeeper
-from kvgate.config import AuthConfig, TenantConfig
+from kvgate.config import PRIORITY_CLASSES, AuthConfig, TenantConfig
 from kvgate.errors import BadRequest, Forbidden, KvgateError, OverBudget, Unauthorized
 from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
@@ -105,6 +105,24 @@ def _bearer(value: str | None) -> str | None:
         return None
     scheme, _, token = value.partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+# The Gateway API Inference Extension's name for the objective a request is served under.
+OBJECTIVE = "x-gateway-inference-objective"
+
+
+def under_objective(
+    tenant: TenantConfig, objective: str | None, objectives: Mapping[str, str]
+) -> TenantConfig:
+    """The tenant as its request runs under `objective`: in the lower of the tenant's class
+    and the objective's (`objectives`: each name's class); an objective not configured
+    changes nothing."""
+    wanted = objectives.get(objective) if objective else None
+    if wanted is None:
+        return tenant
+    if PRIORITY_CLASSES.index(wanted) <= PRIORITY_CLASSES.index(tenant.priority):
+        return tenant
+    return tenant.model_copy(update={"priority": wanted})
 
 
 def check_access(tenant: TenantConfig, model: str) -> None:

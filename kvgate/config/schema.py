@@ -304,6 +304,10 @@ class Config(Section):
     routing: RoutingConfig = RoutingConfig()
     auth: AuthConfig = AuthConfig()
     tenants: list[TenantConfig] = []
+    # The Gateway API Inference Extension's objectives (`x-gateway-inference-objective`):
+    # each name's class. A request runs in the lower of its tenant's class and its
+    # objective's: an objective may lower a request's class, never raise it.
+    objectives: dict[str, PriorityClass] = {}
     state: StateConfig = StateConfig()
     normalization: NormalizationConfig = NormalizationConfig()
 

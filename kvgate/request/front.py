@@ -34,7 +34,7 @@ from kvgate.errors import KvgateError
 from kvgate.normalize.fingerprint import preview
 from kvgate.normalize.stage import Prepared, PromptStage, prepare, settings_for
 from kvgate.request.catalog import Catalog
-from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body
+from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body, with_model
 from kvgate.request.tokens import PromptCount
 from kvgate.runtime import Runtime
 
@@ -85,6 +85,7 @@ class Taken:
     prepared: Prepared | None = None
     count: PromptCount | None = None
     count_error: KvgateError | None = None
+    rewritten: bool = False  # the gateway's model replaced the client's
 
 
 class FrontStage:
@@ -111,20 +112,23 @@ class FrontStage:
         labels: Labels,
         identify: Callable[[], TenantConfig],
         allow: Callable[[ParsedRequest, TenantConfig], None],
+        model: str | None = None,
     ) -> Front:
         """Parse (400), identify the tenant (401), `allow` it the model (403, 404), prepare and
         count the prompt; `labels` learn the model, the tenant and the fingerprint as each is
-        known, whatever is raised after."""
+        known, whatever is raised after. `model`: the model to serve it as, where the gateway
+        rewrites the client's."""
         if len(raw) > self.off_process_bytes or raw.count(b"{") > self.off_process_objects:
-            return await self._take_off_process(raw, endpoint, rt, labels, identify, allow)
-        as_sent = parse_body(raw, endpoint, rt.config.server.max_messages)
+            return await self._take_off_process(raw, endpoint, rt, labels, identify, allow, model)
+        client = parse_body(raw, endpoint, rt.config.server.max_messages)
+        as_sent = with_model(client, model)
         labels.model = as_sent.model
         tenant = identify()
         labels.tenant = tenant.name
         allow(as_sent, tenant)
         parsed, labels.fingerprint = self.prompts.apply(as_sent, tenant, rt.config)
         count = await rt.catalog.count(parsed)
-        return Front(parsed, parsed is not as_sent, tenant, labels.fingerprint, count)
+        return Front(parsed, parsed is not client, tenant, labels.fingerprint, count)
 
     async def _take_off_process(
         self,
@@ -134,6 +138,7 @@ class FrontStage:
         labels: Labels,
         identify: Callable[[], TenantConfig],
         allow: Callable[[ParsedRequest, TenantConfig], None],
+        model: str | None,
     ) -> Front:
         """`take`, its parse, preparation and count done by a worker process (for the tenant
         identified first: a body's own errors still come before the tenant's)."""
@@ -143,7 +148,7 @@ class FrontStage:
             tenant = identify()
         except KvgateError as exc:
             denied = exc
-        taken = await self._off_process(raw, endpoint, rt.config, tenant)
+        taken = await self._off_process(raw, endpoint, rt.config, tenant, model)
         if taken.error is not None:
             raise taken.error
         assert taken.request is not None
@@ -159,10 +164,12 @@ class FrontStage:
         if taken.count_error is not None:
             raise taken.count_error
         assert taken.count is not None
-        return Front(prepared.request, prepared.edited, tenant, prepared.fingerprint, taken.count)
+        edited = prepared.edited or taken.rewritten
+        return Front(prepared.request, edited, tenant, prepared.fingerprint, taken.count)
 
     async def _off_process(
-        self, raw: bytes, endpoint: Endpoint, config: Config, tenant: TenantConfig | None
+        self, raw: bytes, endpoint: Endpoint, config: Config, tenant: TenantConfig | None,
+        model: str | None,
     ) -> Taken:
         digest, blob = self._pickled(config)
         for attempt in (1, 2):
@@ -170,7 +177,7 @@ class FrontStage:
                 # a submit may start a worker process (fork and exec) and always writes to
                 # the executor's wake-up pipe: done from a thread, never on the loop
                 submitted = await asyncio.to_thread(
-                    self._submit, raw, endpoint, digest, blob, tenant
+                    self._submit, raw, endpoint, digest, blob, tenant, model
                 )
                 return await asyncio.wrap_future(submitted)
             except BrokenProcessPool:  # a worker died (killed, out of memory): start anew
@@ -189,7 +196,7 @@ class FrontStage:
 
     def _submit(
         self, raw: bytes, endpoint: Endpoint, digest: bytes, blob: bytes,
-        tenant: TenantConfig | None,
+        tenant: TenantConfig | None, model: str | None,
     ) -> Future[Taken]:
         """`take_off_process` handed to the workers (started on first use). In a thread."""
         with self._lock:
@@ -197,7 +204,9 @@ class FrontStage:
                 self._pool = ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn")
                 )
-            return self._pool.submit(take_off_process, raw, endpoint, digest, blob, tenant)
+            return self._pool.submit(
+                take_off_process, raw, endpoint, digest, blob, tenant, model
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -212,18 +221,22 @@ _LOOP: asyncio.AbstractEventLoop | None = None
 
 
 def take_off_process(
-    raw: bytes, endpoint: Endpoint, digest: bytes, blob: bytes, tenant: TenantConfig | None
+    raw: bytes, endpoint: Endpoint, digest: bytes, blob: bytes, tenant: TenantConfig | None,
+    model: str | None = None,
 ) -> Taken:
-    """The front's work on a body, in a worker process: parse, and for an identified tenant
-    prepare and count the prompt; every large value of the request goes back as JSON."""
+    """The front's work on a body, in a worker process: parse (as for `model`, where the
+    gateway rewrites it), and for an identified tenant prepare and count the prompt; every
+    large value of the request goes back as JSON."""
     config, catalog = _config(digest, blob)
     try:
-        as_sent = parse_body(raw, endpoint, config.server.max_messages)
+        client = parse_body(raw, endpoint, config.server.max_messages)
     except KvgateError as exc:
         return Taken(error=exc)
+    as_sent = with_model(client, model)
+    rewritten = as_sent is not client
     keep = config.routing.sessions.conversation_messages
     if tenant is None:  # refused: the request is read for its model alone
-        return Taken(request=lighten(as_sent, keep))
+        return Taken(request=lighten(as_sent, keep), rewritten=rewritten)
     prepared = prepare(as_sent, settings_for(config, as_sent.model, tenant))
     chars = config.normalization.fingerprints.preview_chars
     text = preview(prepared.request, chars) if prepared.fingerprint is not None else None
@@ -234,8 +247,8 @@ def take_off_process(
     try:
         count = _LOOP.run_until_complete(catalog.count(prepared.request))
     except KvgateError as exc:
-        return Taken(request=light, prepared=sent_back, count_error=exc)
-    return Taken(request=light, prepared=sent_back, count=count)
+        return Taken(request=light, prepared=sent_back, count_error=exc, rewritten=rewritten)
+    return Taken(request=light, prepared=sent_back, count=count, rewritten=rewritten)
 
 
 def _config(digest: bytes, blob: bytes) -> tuple[Config, Catalog]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -57,6 +57,18 @@ class ParsedRequest:
             sequences=request.sequences,
             user=request.user,
         )
+
+
+# The Gateway API Inference Extension's name for the model a gateway serves a request as.
+MODEL_REWRITE = "x-gateway-model-name-rewrite"
+
+
+def with_model(parsed: ParsedRequest, model: str | None) -> ParsedRequest:
+    """The request for `model` instead (the gateway's `x-gateway-model-name-rewrite`): so it
+    is routed, counted, admitted and sent on; itself where `model` is None or the same."""
+    if not model or model == parsed.model:
+        return parsed
+    return replace(parsed, body={**parsed.body, "model": model}, model=model)
 
 
 def parse_body(

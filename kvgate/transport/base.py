@@ -32,8 +32,10 @@ HOP_BY_HOP = frozenset(
         "Accept-Encoding", "Content-Encoding",
     )
 )
-# Client headers that only concern kvgate and are never sent on.
-PRIVATE = frozenset({"x-tenant-id"})
+# Client headers that only concern kvgate and are never sent on (the Inference Extension's
+# request control headers among them, as its picker strips them).
+PRIVATE = frozenset({"x-tenant-id", "x-gateway-inference-objective",
+                     "x-gateway-inference-fairness-id", "x-gateway-model-name-rewrite"})
 
 
 @dataclass(frozen=True, slots=True)
