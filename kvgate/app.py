@@ -183,8 +183,13 @@ async def _start_epp(app: web.Application, config: Config) -> EppServer | None:
     if config.server.epp.port is None:
         return None
     from kvgate.epp.server import EppServer  # gRPC and Envoy's protobufs: only when used
+    from kvgate.epp.tls import certificate
 
-    epp = app[EPP] = EppServer(app[GATEWAY], config.server.epp)
+    epp_config = config.server.epp
+    tls = (await asyncio.to_thread(certificate, epp_config.tls, epp_config.host)
+           if epp_config.tls.enabled else None)  # fmt: skip
+
+    epp = app[EPP] = EppServer(app[GATEWAY], epp_config, tls)
     await epp.start()
     log.info("kvgate endpoint picker (Envoy ext_proc) listening on %s", epp.address)
     return epp

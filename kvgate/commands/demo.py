@@ -348,6 +348,7 @@ async def start_envoy(
     config = bootstrap(
         listen=f"127.0.0.1:{port}", picker=picker.address,
         replicas=[r.url.removeprefix("http://") for r in fleet.values()],
+        picker_tls=picker.certificate is not None,
     )
     path = Path(tempfile.mkdtemp(prefix="kvgate-demo-")) / "envoy.json"
     await asyncio.to_thread(path.write_text, orjson.dumps(config).decode())

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         message_timeout_s=message_timeout_s(config),
         max_body_bytes=config.server.max_body_bytes,
         total_s=config.timeouts.total_s, idle_s=config.timeouts.idle_s,
+        picker_tls=epp.tls.enabled,
     )
     sys.stdout.write(yaml.safe_dump(tree, sort_keys=False))
     return 0

@@ -34,6 +34,7 @@ from kvgate.config.schema import (
     CurrentConfig,
     DnsConfig,
     EppConfig,
+    EppTlsConfig,
     KvEventsConfig,
     KvEventsEndpoints,
     ModelConfig,
@@ -50,7 +51,7 @@ from kvgate.config.schema import (
 __all__ = [
     "PRIORITY_CLASSES", "AdminConfig", "AdmissionConfig", "AuthConfig", "CalibrationConfig",
     "ChatTemplateConfig", "CircuitConfig", "Config", "ConfigError", "CurrentConfig",
-    "DiscoveryConfig", "DnsConfig", "EppConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
+    "DiscoveryConfig", "DnsConfig", "EppConfig", "EppTlsConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
     "QueueConfig", "ReplicaConfig", "RetryConfig", "RoutingConfig", "ServerConfig",
     "SessionsConfig", "StateConfig", "TenantConfig", "TimeoutsConfig", "TokenizerConfig",
     "UpstreamConfig", "apply_overrides", "interpolate", "load_config", "masked",

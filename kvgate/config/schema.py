@@ -61,6 +61,22 @@ class AdminConfig(Section):
     port: int | None = Field(None, ge=0, le=65535)
 
 
+class EppTlsConfig(Section):
+    """TLS on the picker's gRPC port, as the Inference Extension's reference picker serves it
+    by default: with the operator's certificate and key (PEM files), else one generated at
+    start (self-signed: a gateway that verifies it needs the operator's)."""
+
+    enabled: bool = True
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> EppTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+
 class EppConfig(Section):
     """kvgate as the endpoint picker behind Envoy (the Gateway API Inference Extension's
     protocol, Envoy's external processing over gRPC): see kvgate.epp and docs/envoy.md."""
@@ -68,6 +84,7 @@ class EppConfig(Section):
     # The gRPC listener Envoy's ext_proc filter calls (null: off; 0: any free port).
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
+    tls: EppTlsConfig = EppTlsConfig()
 
 
 class ServerConfig(Section):

@@ -63,7 +63,7 @@ def bootstrap(
     *, listen: str, picker: str | None, replicas: Sequence[str], failure_mode_allow: bool = False,
     admin: str | None = None, message_timeout_s: float = 900.0, max_body_bytes: int = 8 << 20,
     subset: Sequence[str] | None = None, response_body: str = "STREAMED",
-    total_s: float = 900.0, idle_s: float = 60.0,
+    total_s: float = 900.0, idle_s: float = 60.0, picker_tls: bool = True,
 ) -> dict[str, Any]:
     """Envoy listening on `listen` (host:port), asking kvgate at `picker` (host:port) where
     each request goes among `replicas` (host:port each); `picker` None: Envoy alone, round
@@ -78,7 +78,9 @@ def bootstrap(
     as Istio, kgateway and the Inference Extension's own charts configure ext_proc (trailers
     sent, no mode override, the served endpoint in `envoy.lb`). `total_s` and `idle_s`: Envoy's timeouts for the
     whole answer and for a gap in it (kvgate's `timeouts`; Envoy enforces them, answering 504
-    itself, which kvgate reads from the response flags)."""
+    itself, which kvgate reads from the response flags). `picker_tls`: the picker serves TLS
+    (`server.epp.tls`, on by default); Envoy does not verify its certificate, as the gateways'
+    charts do not for the reference picker's own."""
     duplex = response_body == "FULL_DUPLEX_STREAMED"
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -159,6 +161,13 @@ def bootstrap(
         "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
         "explicit_http_config": {"http2_protocol_options": {}},
     }}
+    tls = {"transport_socket": {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": f"{_TYPES}.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": {"alpn_protocols": ["h2"]},
+        },
+    }} if picker_tls else {}
     config: dict[str, Any] = {
         "static_resources": {
             "listeners": [{
@@ -174,7 +183,7 @@ def bootstrap(
                 _cluster("pool", replicas, load_balancing_policy=pick_or_round_robin,
                          per_connection_buffer_limit_bytes=max_body_bytes),
                 *([] if picker is None else [
-                    _cluster("kvgate", [picker], typed_extension_protocol_options=http2),
+                    _cluster("kvgate", [picker], typed_extension_protocol_options=http2, **tls),
                 ]),
             ],
         },

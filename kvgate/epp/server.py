@@ -6,7 +6,7 @@ the picker runs; `readiness`, the processor's own service
 kvgate can pick — what /ready says (every configured model has a healthy replica), followed
 once a second — so a gateway's health check sends no request to a picker that would refuse
 it. Every service is NOT_SERVING from the start of shutdown, so that checks move on before
-the listener goes.
+the listener goes. The port serves TLS by default (`kvgate.epp.tls`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate.api.routes import readiness
 from kvgate.config import EppConfig
 from kvgate.epp.processor import Processor
+from kvgate.epp.tls import Certificate
 from kvgate.gateway import Gateway
 
 PROCESSOR = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -33,7 +34,10 @@ READINESS_EVERY_S = 1.0
 
 
 class EppServer:
-    def __init__(self, gateway: Gateway, config: EppConfig) -> None:
+    def __init__(
+        self, gateway: Gateway, config: EppConfig, tls: Certificate | None = None
+    ) -> None:
+        """`tls`: the certificate it serves TLS with (None: plaintext)."""
         self.gateway = gateway
         self.watch: asyncio.Task[None] | None = None
         self.server = grpc.aio.server(options=[
@@ -47,7 +51,12 @@ class EppServer:
         )
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port or 0}")
+        listen = f"{config.host}:{config.port or 0}"
+        self.certificate = tls  # for the clients that check it
+        if tls is None:
+            self.port = self.server.add_insecure_port(listen)
+        else:
+            self.port = self.server.add_secure_port(listen, tls.server_credentials())
         self.address = f"{config.host}:{self.port}"
 
     async def start(self) -> None:

@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from kvgate.config import parse_config
-from kvgate.epp.server import LIVENESS
 
 BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAY = BASE / "gateway-api"
@@ -189,8 +188,10 @@ def test_only_the_gateway_reaches_the_pickers_grpc_port():
 
 def test_the_picker_is_probed_where_kvgate_answers_and_drains_before_its_kill():
     container = picker()
-    assert container["livenessProbe"]["grpc"]["service"] == LIVENESS  # not readiness: no restarts
-    assert container["livenessProbe"]["grpc"]["port"] == picker_config().server.epp.port
+    # alive, not ready (no restart for a fleet that is down), and over HTTP: the gRPC port
+    # serves TLS, which a kubelet's gRPC probe cannot speak
+    assert picker_config().server.epp.tls.enabled
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     spec = one("Deployment", "kvgate-epp")["spec"]["template"]["spec"]
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]

@@ -317,7 +317,10 @@ async def test_the_picker_answers_grpc_health_and_other_paths_pass_through(
         assert resp.status == 200
         assert (await resp.json())["data"][0]["id"] == bodies.STUB_MODEL
     serving = health_pb2.HealthCheckResponse.SERVING
-    async with grpc.aio.insecure_channel(picker_of(gw).address) as channel:
+    picker = picker_of(gw)
+    assert picker.certificate is not None  # TLS by default, as the reference picker
+    credentials = grpc.ssl_channel_credentials(root_certificates=picker.certificate.cert_pem)
+    async with grpc.aio.secure_channel(picker.address, credentials) as channel:
         health = health_pb2_grpc.HealthStub(channel)
 
         async def status(service: str) -> int:
@@ -504,3 +507,39 @@ async def test_in_full_duplex_a_request_queues_past_the_gateways_message_timeout
         status, _, raw = await queued
         assert status == 200, raw
     await wait_released(gw)
+
+
+async def test_the_picker_serves_tls_by_default_the_operators_certificate_or_plaintext(
+    stub_factory, gateway_factory, envoy_factory, tmp_path
+):
+    from kvgate.epp.tls import self_signed
+
+    stub = await stub_factory()
+    request = health_pb2.HealthCheckRequest(service="liveness")
+
+    async def check(address: str, credentials: Any | None) -> int:
+        channel = (grpc.aio.insecure_channel(address) if credentials is None
+                   else grpc.aio.secure_channel(address, credentials))  # fmt: skip
+        async with channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+            return int(reply.status)
+
+    made = await gateway_factory(epp_config([stub.url]))  # a certificate made at start
+    with pytest.raises(grpc.aio.AioRpcError):  # plaintext to a TLS port
+        await check(picker_of(made).address, None)
+    own = self_signed("127.0.0.1")
+    await asyncio.to_thread((tmp_path / "cert.pem").write_bytes, own.cert_pem)
+    await asyncio.to_thread((tmp_path / "key.pem").write_bytes, own.key_pem)
+    given = await gateway_factory(epp_config([stub.url], server={"epp": {"tls": {
+        "cert_file": str(tmp_path / "cert.pem"), "key_file": str(tmp_path / "key.pem")}}}))
+    trusting = grpc.ssl_channel_credentials(root_certificates=own.cert_pem)
+    assert await check(picker_of(given).address, trusting) == health_pb2.HealthCheckResponse.SERVING
+    plain = await gateway_factory(epp_config([stub.url], server={"epp": {"tls": {"enabled": False}}}))
+    assert picker_of(plain).certificate is None
+    assert await check(picker_of(plain).address, None) == health_pb2.HealthCheckResponse.SERVING
+    for gw in (made, given, plain):  # Envoy reaches each as it serves
+        envoy = await envoy_factory(gw, [stub])
+        async with aiohttp.ClientSession() as http:
+            status, _, raw = await post(http, envoy.url, bodies.chat())
+            assert status == 200, raw
+        await wait_released(gw)

@@ -97,7 +97,8 @@ async def envoy_factory(envoy_bin: str, tmp_path: Path) -> AsyncIterator[EnvoyFa
         picker = gw if isinstance(gw, str) else picker_of(gw).address
         if not isinstance(gw, str):  # Envoy enforces the gateway's upstream timeouts
             timeouts = gw.gateway.runtime.config.timeouts
-            options = {"total_s": timeouts.total_s, "idle_s": timeouts.idle_s, **options}
+            options = {"total_s": timeouts.total_s, "idle_s": timeouts.idle_s,
+                       "picker_tls": picker_of(gw).certificate is not None, **options}
         listen, admin = free_port(), free_port()
         addresses = [r if isinstance(r, str) else r.url.removeprefix("http://") for r in replicas]
         config = bootstrap(
