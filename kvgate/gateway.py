@@ -57,7 +57,7 @@ from kvgate.routing.sessions import session_key
 from kvgate.runtime import Runtime
 from kvgate.sizing import Sizing
 from kvgate.state.base import StateStore
-from kvgate.tenants import OBJECTIVE, Budgets, check_access, under_objective
+from kvgate.tenants import FAIRNESS_ID, OBJECTIVE, Budgets, check_access, under_objective
 from kvgate.transport.attempts import Attempts
 from kvgate.transport.base import Transport, UpstreamRequest, upstream_headers
 from kvgate.transport.breaker import BreakerTransport
@@ -165,8 +165,9 @@ class Gateway:
         plane allows), and the body to send (asking for a stream's usage where kvgate reads
         the answer)."""
         config = x.rt.config
+        lane = x.rt.directory.fairness_lane(x.tenant, x.headers.get(FAIRNESS_ID))
         x.demand = self.sizing.demand(
-            x.pool, x.parsed, x.tenant, x.bound, x.count, x.terms, config
+            x.pool, x.parsed, x.tenant, x.bound, x.count, x.terms, config, lane
         )
         x.route = Route(
             x.demand, session_key(x.parsed, x.headers, config.routing.sessions, x.tenant.name),

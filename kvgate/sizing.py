@@ -36,13 +36,14 @@ class Sizing:
 
     def demand(
         self, pool: str, parsed: ParsedRequest, tenant: TenantConfig, bound: Bound,
-        count: PromptCount, terms: Terms, config: Config,
+        count: PromptCount, terms: Terms, config: Config, lane: str | None = None,
     ) -> Demand:
+        """`lane`: whom the queue shares fairly among (the tenant's name where None)."""
         model = parsed.model
         # never credit more shared blocks than the text alone could hold
         prefix = Terms(min(1.0, terms.ratio), terms.per_message).estimate(count.prefix)
         return Demand(
-            pool, model, bound.worst_tokens, tenant.name, tenant.priority,
+            pool, model, bound.worst_tokens, lane or tenant.name, tenant.priority,
             prompt_tokens=bound.prompt_tokens * parsed.sequences,
             prefix_key=f"{model}:{count.prefix_key.hex()}" if count.prefix_key else None,
             prefix_tokens=prefix if count.prefix_key else 0,

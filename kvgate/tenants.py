@@ -86,6 +86,16 @@ class Directory:
             raise Unauthorized("invalid API key")
         return found
 
+    def fairness_lane(self, tenant: TenantConfig, fairness_id: str | None) -> str:
+        """Whom a request of `tenant` shares the queue fairly among: its tenant, or where
+        kvgate knows no one by a credential (no auth, or the anonymous tenant) and the
+        gateway names a flow (`x-gateway-inference-fairness-id`), that flow. An identified
+        tenant is one lane whatever it sends: splitting into flows would outweigh others."""
+        anonymous = self.auth.mode == "none" or tenant.name == self.auth.anonymous_tenant
+        if not anonymous or not fairness_id:
+            return tenant.name
+        return f"{tenant.name}/{fairness_id}"
+
     def _anonymous(self) -> TenantConfig | None:
         name = self.auth.anonymous_tenant
         return self._by_name.get(name) if name else None
@@ -107,8 +117,10 @@ def _bearer(value: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-# The Gateway API Inference Extension's name for the objective a request is served under.
+# The Gateway API Inference Extension's names for the objective a request is served under,
+# and for the flow it shares fairly with.
 OBJECTIVE = "x-gateway-inference-objective"
+FAIRNESS_ID = "x-gateway-inference-fairness-id"
 
 
 def under_objective(

@@ -34,7 +34,7 @@ class Demand:
     pool: str
     model: str
     worst_tokens: int
-    tenant: str
+    tenant: str  # whom the queue shares fairly among: the tenant, or a flow of an anonymous one
     priority: str
     prefix_key: str | None = None  # identifies the prompt's shareable prefix
     prefix_tokens: int = 0

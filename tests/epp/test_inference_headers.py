@@ -2,10 +2,12 @@
 mean behind a gateway, on kvgate's own port and through Envoy in full duplex alike:
 `x-gateway-model-name-rewrite` serves the request as another model (routed, counted, admitted
 and sent on as that model), `x-gateway-inference-objective` runs it in its objective's class
-where that is lower than its tenant's (never higher); neither reaches the replica."""
+where that is lower than its tenant's (never higher), and `x-gateway-inference-fairness-id`
+is a lane of the fair queue where kvgate knows no tenant; none reaches the replica."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -16,7 +18,8 @@ import pytest
 from kvgate.request.catalog import vllm_priority
 from tests.plugins import bodies
 from tests.plugins.envoy import epp_config
-from tests.plugins.gateway import openai_error, wait_released
+from tests.plugins.gateway import gateway_config, openai_error, wait_released
+from tests.plugins.waiting import eventually
 
 REWRITE, OBJECTIVE = "x-gateway-model-name-rewrite", "x-gateway-inference-objective"
 
@@ -88,3 +91,42 @@ async def test_an_objective_lowers_a_requests_class_and_never_raises_it(url_and_
         vllm_priority(cls, None) for _, _, cls in sent
     ]
     assert not any(OBJECTIVE in seen for seen in stub.headers_seen)
+
+
+FAIRNESS = "x-gateway-inference-fairness-id"
+
+
+@pytest.mark.parametrize("auth", ["none", "api_key"])
+async def test_a_fairness_id_is_a_lane_of_the_queue_where_kvgate_knows_no_tenant(
+    auth, stub_factory, gateway_factory
+):
+    """One stream at a time fits; flow A queues five behind its first, then flow B sends
+    one. Behind a gateway that authenticates (kvgate sees no credential), each fairness id
+    is a lane of the fair queue, and B's request goes next but one; a tenant kvgate knows is
+    one lane whatever ids it sends, and B's request waits its turn behind A's five."""
+    stub = await stub_factory(num_gpu_blocks=20, gate=asyncio.Event())
+    tenants = [{"name": "acme", "api_key_sha256": [sha("sk-acme")]}]
+    gw = await gateway_factory(gateway_config(
+        [stub.url], auth={"mode": auth}, tenants=tenants if auth == "api_key" else [],
+        admission={"mode": "worst_case", "queue": {"max_wait_s": 30}},
+    ))
+    queue = gw.gateway.admission.pool("default").queue
+
+    async def send(text: str, flow: str) -> tuple[int, bytes]:
+        return await post(gw.url, bodies.chat(text, max_tokens=200, stream=True), "sk-acme",
+                          **{FAIRNESS: flow})  # fmt: skip
+
+    first = asyncio.create_task(send("a0", "A"))
+    await eventually(lambda: len(stub.received) == 1)  # running, held by the gate
+    sent = [asyncio.create_task(send(f"a{i}", "A")) for i in range(1, 6)]
+    await eventually(lambda: len(queue) == 5)
+    sent.append(asyncio.create_task(send("b0", "B")))
+    await eventually(lambda: len(queue) == 6)
+    assert stub.gate is not None
+    stub.gate.set()
+    for status, raw in await asyncio.gather(first, *sent):
+        assert status == 200, raw
+    order = [body["messages"][-1]["content"] for body in stub.received]
+    assert order.index("b0") == (2 if auth == "none" else 6), order
+    assert not any(FAIRNESS in seen for seen in stub.headers_seen)
+    await wait_released(gw)
