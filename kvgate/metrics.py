@@ -230,9 +230,16 @@ class Metrics:
         self.kv_events_resets = Counter(
             "kvgate_kv_events_resets", "Times a replica's block index was emptied and read "
             "again: its sequence numbers went back (an engine restart), it failed its health "
-            "check, or its prompts missed its cache while it published nothing.",
+            "check, its prompts missed its cache while it published nothing, or its "
+            "subscription was made again.",
             ["replica", "reason"],
             registry=r,
+        )
+        self.kv_index_orphans = Counter(
+            "kvgate_kv_index_orphan_blocks", "Blocks a replica stored under a parent its block "
+            "index never saw (its chain began before a kvgate restart or a reset, beyond what "
+            "the replay still held): left out of matching, so a prompt under them routes by "
+            "fingerprint instead.", ["replica"], registry=r,
         )
         self.kv_index_blocks = Gauge(
             "kvgate_kv_index_blocks", "Distinct blocks the replica's KV cache events say it "

@@ -201,14 +201,17 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._held)
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event) -> list[int]:
+        """Apply the event; the content keys a removal left held by no block."""
         if event.kind == "stored":
             self._store(event)
         elif event.kind == "removed":
-            for block_hash in event.hashes:
-                self._remove(block_hash)
+            gone = [key for block_hash in event.hashes
+                    if (key := self._remove(block_hash)) is not None]  # fmt: skip
+            return gone
         else:
             self.clear()
+        return []
 
     def _store(self, event: Event) -> None:
         keys, held = self._keys, self._held
@@ -227,29 +230,40 @@ class BlockIndex:
             else:
                 keys[block_hash] = parent
                 held[parent] = held.get(parent, 0) + 1
-        while len(keys) > self.capacity:
-            oldest = next(iter(keys))
-            self._extra.pop(oldest, None)
-            self._unhold(keys.pop(oldest))
+        if len(keys) > self.capacity:
+            self.resize(self.capacity)
 
-    def _remove(self, block_hash: Hashable) -> None:
+    def _remove(self, block_hash: Hashable) -> int | None:
+        """Drop one copy of the block; its content key where no block holds it any more."""
         if block_hash not in self._keys:
-            return
+            return None
         extra = self._extra.get(block_hash)
         if extra:
             if extra > 1:
                 self._extra[block_hash] = extra - 1
             else:
                 del self._extra[block_hash]
-            return
-        self._unhold(self._keys.pop(block_hash))
+            return None
+        key = self._keys.pop(block_hash)
+        return key if self._unhold(key) else None
 
-    def _unhold(self, key: int) -> None:
+    def _unhold(self, key: int) -> bool:
+        """One block fewer holds `key`; whether none does now."""
         left = self._held[key] - 1
         if left > 0:
             self._held[key] = left
-        else:
-            del self._held[key]
+            return False
+        del self._held[key]
+        return True
+
+    def resize(self, capacity: int) -> None:
+        """Bound the index at `capacity` blocks from now on, the oldest going first."""
+        self.capacity = capacity
+        keys = self._keys
+        while len(keys) > capacity:
+            oldest = next(iter(keys))
+            self._extra.pop(oldest, None)
+            self._unhold(keys.pop(oldest))
 
     def clear(self) -> None:
         self._keys.clear()

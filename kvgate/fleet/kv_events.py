@@ -47,6 +47,8 @@ EXPECTED_S = 10.0
 EXPECTED_BLOCKS = 2048  # of a prompt's leading blocks, at most, are expected
 EXPECTED_PROMPTS = 1024  # prompts expected at once per replica, at most
 RETRY_S = 1.0  # after a socket error, before subscribing again
+# The index's bound until discovery knows the replica's own number of blocks.
+UNKNOWN_CAPACITY = 1 << 20
 GATHER_S = 0.01  # between reads of the socket while batches keep coming
 # Prompt tokens a replica may compute uncached without publishing, before it counts as silent
 # (64 blocks of 16: vLLM stores every full block it computes)
@@ -96,13 +98,21 @@ class ReplicaEvents:
         if self.batches != self.batches_seen or self.misses_at_event is None:
             self.batches_seen, self.misses_at_event = self.batches, misses
 
+    def unexpect(self, keys: Iterable[int]) -> None:
+        """The replica evicted these blocks: no prompt sent lately counts them as cached
+        any more (their expiries, still queued, find nothing left to drop)."""
+        for key in keys:
+            self.expected.pop(key, None)
+
     def forget_expected(self, now: float | None = None) -> None:
         """Drop the expectations that run out by `now` (all of them: None)."""
         while self.expiries and (now is None or self.expiries[0][0] <= now):
             for key in self.expiries.popleft()[1]:
-                self.expected[key] -= 1
-                if self.expected[key] <= 0:
-                    del self.expected[key]
+                left = self.expected.get(key, 0) - 1
+                if left > 0:
+                    self.expected[key] = left
+                else:
+                    self.expected.pop(key, None)
     last_event_at: float | None = None  # monotonic, of the last batch applied
     # the replica's prompt tokens that missed its cache (vLLM's queries - hits), as scraped
     # when a batch had last come: what it computed since must show up as BlockStored
@@ -126,12 +136,17 @@ class Subscriber:
         self._ctx = zmq.asyncio.Context.instance()
 
     async def run(self) -> None:
-        """Subscribe, and subscribe again after a socket error, until cancelled."""
+        """Subscribe, and subscribe again after a socket error, until cancelled. A new
+        subscription starts from an empty index and a replay from 0: what was missed while
+        away may be anything, an engine's restart included, and the old index under a new
+        engine's replay would count blocks it no longer holds."""
         while True:
             try:
                 await self._subscribed()
             except Exception as exc:  # a subscriber must not die of what it reads: it says so
                 log.warning("KV events of %s (%s): %s", self.replica_id, self.endpoint, exc)
+            if self.state.sequencer.last is not None:
+                self._reset("reconnect")
             await asyncio.sleep(RETRY_S)
 
     async def _subscribed(self) -> None:
@@ -217,15 +232,20 @@ class Subscriber:
             metrics.kv_events.labels(self.replica_id, "unreadable").inc()
             batch = Batch(time.time(), [], 0)
         kinds: Counter[str] = Counter()
+        orphans = state.index.orphans
         for event in batch.events:
-            state.index.apply(event)
+            gone = state.index.apply(event)
             if event.kind == "cleared":
                 state.forget_expected()
+            elif gone:  # evicted: a prompt sent lately that expected them will not find them
+                state.unexpect(gone)
             kinds[event.kind] += 1
         for kind, count in kinds.items():
             metrics.kv_events.labels(self.replica_id, kind).inc(count)
         if batch.unknown:
             metrics.kv_events.labels(self.replica_id, "unknown").inc(batch.unknown)
+        if state.index.orphans > orphans:
+            metrics.kv_index_orphans.labels(self.replica_id).inc(state.index.orphans - orphans)
         state.sequencer.last = seq
         state.last_event_at = time.monotonic()
         state.batches += 1
@@ -364,7 +384,9 @@ class KvEvents:
                 state = running = None
             if state is None:
                 state = self.states[replica_id] = ReplicaEvents(
-                    BlockIndex(replica.num_gpu_blocks or 1 << 20))
+                    BlockIndex(replica.num_gpu_blocks or UNKNOWN_CAPACITY))
+            elif replica.num_gpu_blocks and state.index.capacity != replica.num_gpu_blocks:
+                state.index.resize(replica.num_gpu_blocks)  # discovery learned it since
             if running is None and replica.healthy:
                 endpoint, replay, settings = where
                 subscriber = Subscriber(replica_id, replica.pool, endpoint, replay, settings,
@@ -417,8 +439,9 @@ class KvEvents:
             return None
         age = None if state.last_event_at is None else round(self.clock() - state.last_event_at, 3)
         return {"subscribed": replica_id in self._running, "last_seq": state.sequencer.last,
-                "blocks": len(state.index), "batches": state.batches, "gaps": state.gaps,
-                "resets": state.resets, "last_event_age_s": age}
+                "blocks": len(state.index), "orphan_blocks": state.index.orphans,
+                "batches": state.batches, "gaps": state.gaps, "resets": state.resets,
+                "last_event_age_s": age}
 
 
 async def kv_events_loop(

@@ -178,7 +178,9 @@ class Publisher:
         if not events or self._pub is None:
             return
         seq, self._seq = self._seq, self._seq + 1
-        payload = self._encode(KVEventBatch(ts=time.time(), events=events))
+        # annotated with the engine's data-parallel rank, as vLLM's publisher does (one
+        # engine: rank 0)
+        payload = self._encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         self._buffer.append((seq, payload))
         # PUB never blocks: past its high-water mark a slow subscriber loses batches (and
         # asks the replay socket for them), as with vLLM

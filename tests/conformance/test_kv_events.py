@@ -26,4 +26,4 @@ async def test_the_simulators_stream_decodes_with_vllms_own_classes(sim_factory)
     first = batches[0].events[0]
     assert isinstance(first, BlockStored) and first.parent_block_hash is None
     assert len(first.token_ids) == first.block_size * len(first.block_hashes)
-    assert all(batch.data_parallel_rank is None and batch.ts > 0 for batch in batches)
+    assert all(batch.data_parallel_rank == 0 and batch.ts > 0 for batch in batches)

@@ -15,7 +15,14 @@ import msgspec
 import pytest
 
 from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
-from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, Event, block_keys, decode_batch
+from kvgate.fleet.block_index import (
+    ROOT_KEY,
+    BlockIndex,
+    Event,
+    block_keys,
+    chain_key,
+    decode_batch,
+)
 from kvgate.fleet.kv_events import (
     KvEvents,
     ReplicaEvents,
@@ -196,6 +203,35 @@ async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory)
             await stopped(task)
 
 
+async def test_an_eviction_under_pressure_undoes_a_recent_prompts_expectation(sim_factory):
+    """A prompt sent to a replica counts as cached there for EXPECTED_S; when the replica
+    evicts its blocks under pressure within that time, the batch that says so ends the
+    expectation, and the prompt no longer draws traffic there (the clock never moves here:
+    only the events can undo it)."""
+    from kvgate.fleet.block_index import LazyKeys
+
+    replica = await sim_factory(**SIM)
+    events = KvEvents(Metrics(), clock=lambda: 0.0)
+    async with aiohttp.ClientSession() as http:
+        _, state, task = await started(replica)
+        events.states["a"] = state
+        try:
+            await joined(http, replica, state)
+            ids = tuple(await tokens(http, replica, PROMPT))
+            blocks = len(ids) // 16
+            events.expect("a", ids, 16)  # routed there: cached as far as routing knows
+            await complete(http, replica, PROMPT)
+            await caught_up(replica, state)
+            assert events.cached_blocks("a", LazyKeys(ids, 16)) == blocks
+            for i in range(12):  # others push the prompt's blocks out of a 63-block pool
+                await complete(http, replica, f"topic {i} " + PROMPT)
+            await caught_up(replica, state)
+            assert state.index.leading(block_keys(ids, 16)) == 0
+            assert events.cached_blocks("a", LazyKeys(ids, 16)) == 0
+        finally:
+            await stopped(task)
+
+
 async def test_a_subscriber_that_starts_late_replays_from_zero(sim_factory):
     """A kvgate restart: the replica has been publishing; a new subscriber's first batch
     sets off a replay of everything still buffered, parents included."""
@@ -337,6 +373,79 @@ async def test_the_fleet_drops_the_index_of_a_replica_that_fails_or_goes_silent(
         assert events.describe("a") is None
     finally:
         await events.close()
+
+
+async def test_the_index_is_bounded_by_the_replicas_capacity_once_discovery_knows_it():
+    """The first sync usually runs before discovery's first scrape: the bound is the
+    replica's own blocks from the scrape that tells them, not 2^20 for ever."""
+    r = Replica(config=ReplicaConfig(url="http://gpu-a:8000", name="a"), pool="default",
+                healthy=False)  # not subscribed: only the bound is at stake  # fmt: skip
+    config = parse_config({"pools": {"default": {
+        "replicas": [{"url": "http://gpu-a:8000", "name": "a"}], "kv_events": {}}}})
+    events = KvEvents(Metrics())
+    try:
+        events.sync([r], config)
+        index = events.states["a"].index
+        for i in range(100):
+            index.apply(stored([i], [i, i], parent=None if i == 0 else i - 1))
+        assert index.capacity == 1 << 20 and len(index) == 100
+        r.scrape = Scrape(at=0.0, num_gpu_blocks=64)
+        events.sync([r], config)
+        assert events.states["a"].index is index and index.capacity == 64
+        assert len(index) == 64  # the oldest went
+    finally:
+        await events.close()
+
+
+async def test_a_subscription_made_again_starts_from_an_empty_index_and_a_replay(
+    sim_factory, monkeypatch
+):
+    """Whatever the subscriber missed while its socket was gone (an engine's restart among
+    it) is read afresh from a replay from 0, not applied over the old index."""
+    import kvgate.fleet.kv_events as kv_events
+
+    monkeypatch.setattr(kv_events, "RETRY_S", 0.05)
+    replica = await sim_factory(**SIM)
+    async with aiohttp.ClientSession() as http:
+        subscriber, state, task = await started(replica)
+        try:
+            await joined(http, replica, state)
+            await complete(http, replica, PROMPT)
+            await caught_up(replica, state)
+            stale = 10**9  # a block the replica does not hold, left from before
+            state.index.apply(stored([stale], [7, 7]))
+            assert state.index.holds(chain_key(ROOT_KEY, (7, 7)))
+            failing = subscriber.receive
+
+            async def fail_once(seq: int, payload: bytes) -> None:
+                subscriber.receive = failing  # type: ignore[method-assign]
+                raise ConnectionError("the socket went away")
+
+            subscriber.receive = fail_once  # type: ignore[method-assign]
+            await complete(http, replica, "another " + PROMPT)  # its batch meets the error
+            await eventually(lambda: state.resets == 1, what="the reset")
+            await joined(http, replica, state)
+            await caught_up(replica, state)
+            assert not state.index.holds(chain_key(ROOT_KEY, (7, 7)))  # gone with the old
+            expected = rebuilt(await replay(replica, raw=True), replica.config.num_gpu_blocks)
+            assert state.index.keys() == expected.keys()
+        finally:
+            await stopped(task)
+
+
+def test_blocks_under_a_parent_the_index_never_saw_are_counted_and_reported():
+    events = KvEvents(Metrics())
+    state = events.states["a"] = ReplicaEvents(BlockIndex(100))
+    subscriber = Subscriber("a", "default", "tcp://x:1", None, SETTINGS, state, events.metrics)
+    payload = msgspec.msgpack.encode(sim_events.KVEventBatch(ts=1.0, events=[
+        sim_events.BlockStored(block_hashes=[5, 6], parent_block_hash=99, token_ids=[1, 2, 3, 4],
+                               block_size=2, lora_id=None, medium="GPU", lora_name=None),
+    ]))  # fmt: skip
+    subscriber._apply(0, payload)
+    assert len(state.index) == 0 and events.describe("a")["orphan_blocks"] == 2
+    counted = events.metrics.registry.get_sample_value(
+        "kvgate_kv_index_orphan_blocks_total", {"replica": "a"})
+    assert counted == 2
 
 
 def test_the_endpoints_config_is_checked():

@@ -73,7 +73,7 @@ async def test_a_prompt_is_published_as_the_blocks_it_filled_with_their_tokens(
     batches = await replay(replica)
     assert [seq for seq, _ in batches] == list(range(len(batches)))  # from 0, no gap
     ts, first, rank = batches[0][1]  # an array, as vLLM's: (ts, events, data_parallel_rank)
-    assert isinstance(ts, float) and rank is None
+    assert isinstance(ts, float) and rank == 0  # vLLM's publisher sets its rank
     (stored,) = first
     full = len(ids) // 16
     assert stored["type"] == "BlockStored"
