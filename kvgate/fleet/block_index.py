@@ -20,11 +20,17 @@ import msgspec
 ROOT_KEY = 0  # the parent key of a prompt's first block
 # The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
 FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
-    "BlockRemoved": ("block_hashes",),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
 KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
+# Where a block lives: the index follows the GPU's prefix cache (a tier an offloading
+# connector publishes, CPU or storage, is another cache), and the first KV cache group (a
+# hybrid model publishes each group's blocks under their own hashes).
+INDEXED_MEDIA = (None, "GPU")
+INDEXED_GROUPS = (None, 0)
 
 
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
@@ -74,11 +80,17 @@ class LazyKeys:
 
 
 class Event(NamedTuple):
-    kind: Literal["stored", "removed", "cleared"]
+    """`elsewhere`: blocks of another tier or KV cache group (not indexed). `salts`: per
+    block, what besides its tokens vLLM hashed it with (a LoRA adapter, a cache salt,
+    multimodal inputs), None for plain blocks: a salted block never matches a prompt's
+    plain keys."""
+
+    kind: Literal["stored", "removed", "cleared", "elsewhere"]
     hashes: tuple[Hashable, ...] = ()
     parent: Hashable | None = None
     token_ids: tuple[int, ...] = ()
     block_size: int = 0
+    salts: tuple[Hashable, ...] | None = None
 
 
 class Batch(NamedTuple):
@@ -92,10 +104,17 @@ class _Stored(msgspec.Struct, tag="BlockStored"):
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
 
 
 class _Cleared(msgspec.Struct, tag="AllBlocksCleared"):
@@ -127,13 +146,44 @@ def decode_batch(payload: bytes) -> Batch:
                 item.block_hashes
             ):
                 raise ValueError("BlockStored: token_ids must fill its blocks")
-            events.append(Event("stored", tuple(item.block_hashes), item.parent_block_hash,
-                                tuple(item.token_ids), item.block_size))
+            if item.medium not in INDEXED_MEDIA or item.group_idx not in INDEXED_GROUPS:
+                events.append(Event("elsewhere"))
+                continue
+            events.append(Event(
+                "stored", tuple(item.block_hashes), item.parent_block_hash,
+                tuple(item.token_ids), item.block_size,
+                _salts(item.lora_name or item.lora_id, item.extra_keys, len(item.block_hashes)),
+            ))
         elif isinstance(item, _Removed):
-            events.append(Event("removed", tuple(item.block_hashes)))
+            if item.medium not in INDEXED_MEDIA or item.group_idx not in INDEXED_GROUPS:
+                events.append(Event("elsewhere"))
+            else:
+                events.append(Event("removed", tuple(item.block_hashes)))
         else:
             events.append(Event("cleared"))
     return Batch(batch.ts, events, 0)
+
+
+def _salts(lora: Any, extra_keys: Any, blocks: int) -> tuple[Hashable, ...] | None:
+    """Per block, what vLLM hashed it with besides its tokens (its adapter, and the block's
+    extra keys: one per block, as vLLM sends them, else the whole list for each); None where
+    every block is plain."""
+    if isinstance(extra_keys, list) and len(extra_keys) == blocks:
+        keys = extra_keys
+    else:
+        keys = [extra_keys or None] * blocks
+    if lora is None and all(k is None for k in keys):
+        return None
+    return tuple((lora, _frozen(k)) for k in keys)
+
+
+def _frozen(value: Any) -> Hashable:
+    """A msgpack value as something hashable (its lists as tuples)."""
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    return value if isinstance(value, Hashable) else repr(value)
 
 
 def _decode_any(payload: bytes) -> Batch:
@@ -173,6 +223,8 @@ def _event(tag: str, values: dict[str, Any]) -> Event:
     hashes = values.get("block_hashes")
     if not isinstance(hashes, list) or not all(isinstance(h, int | bytes) for h in hashes):
         raise ValueError(f"{tag}: block_hashes must be a list of ids")
+    if values.get("medium") not in INDEXED_MEDIA or values.get("group_idx") not in INDEXED_GROUPS:
+        return Event("elsewhere")
     if kind == "removed":
         return Event("removed", tuple(hashes))
     tokens, size = values.get("token_ids"), values.get("block_size")
@@ -181,7 +233,9 @@ def _event(tag: str, values: dict[str, Any]) -> Event:
     if len(tokens) != size * len(hashes):
         raise ValueError("BlockStored: token_ids must fill its blocks")
     parent = values.get("parent_block_hash")
-    return Event("stored", tuple(hashes), parent, tuple(tokens), size)
+    lora = values.get("lora_name") or values.get("lora_id")
+    salts = _salts(lora, values.get("extra_keys"), len(hashes))
+    return Event("stored", tuple(hashes), parent, tuple(tokens), size, salts)
 
 
 class BlockIndex:
@@ -209,7 +263,7 @@ class BlockIndex:
             gone = [key for block_hash in event.hashes
                     if (key := self._remove(block_hash)) is not None]  # fmt: skip
             return gone
-        else:
+        elif event.kind == "cleared":
             self.clear()
         return []
 
@@ -222,9 +276,12 @@ class BlockIndex:
         else:  # its chain began before the index did: it cannot match a request's keys
             self.orphans += len(event.hashes)
             return
-        tokens, size = event.token_ids, event.block_size
+        tokens, size, salts = event.token_ids, event.block_size, event.salts
         for i, block_hash in enumerate(event.hashes):
-            parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
+            if salts is None:
+                parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
+            else:  # never a plain prompt's key, and its children chain under it
+                parent = hash((parent, tokens[i * size : (i + 1) * size], salts[i]))
             if block_hash in keys:
                 self._extra[block_hash] = self._extra.get(block_hash, 0) + 1
             else:

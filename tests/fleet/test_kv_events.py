@@ -113,6 +113,68 @@ def test_a_block_whose_parent_is_unknown_is_not_guessed_and_the_index_is_bounded
     assert ROOT_KEY == 0
 
 
+def index_of(*events: Any) -> BlockIndex:
+    """The index one batch of the simulator's (vLLM's) event structs gives."""
+    index = BlockIndex(100)
+    payload = msgspec.msgpack.encode(sim_events.KVEventBatch(ts=1.0, events=list(events)))
+    for event in decode_batch(payload).events:
+        index.apply(event)
+    return index
+
+
+def vllm_stored(hashes: list[int], tokens_: list[int], **fields: Any) -> Any:
+    return sim_events.BlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=tokens_, block_size=2,
+        lora_id=None, medium=fields.pop("medium", "GPU"), lora_name=fields.pop("lora", None),
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("encode", ["maps", "arrays"])
+def test_blocks_vllm_hashes_with_more_than_their_tokens_never_match_a_plain_prompt(encode):
+    """An adapter's blocks, a salted prompt's (`cache_salt`, multimodal inputs: extra keys)
+    hold the same tokens as a base-model prompt's but not the same KV: they never match a
+    prompt's plain keys, and their children chain under them; plain blocks still match."""
+    tokens_ = [1, 2, 3, 4]
+    plain = block_keys(tokens_, 2)
+    cases = {
+        "base": vllm_stored([1, 2], tokens_),
+        "adapter": vllm_stored([1, 2], tokens_, lora="sql-lora"),
+        "salt": vllm_stored([1, 2], tokens_, extra_keys=[("salt-a",), ("salt-a",)]),
+    }
+    held = {}
+    for name, event in cases.items():
+        if encode == "arrays":  # the earlier producers' encoding: arrays led by the tag
+            fields = [getattr(event, f, None) for f in ("block_hashes", "parent_block_hash",
+                      "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                      "extra_keys", "group_idx")]  # fmt: skip
+            payload = msgspec.msgpack.encode([1.0, [["BlockStored", *fields]]])
+            index = BlockIndex(100)
+            for e in decode_batch(payload).events:
+                index.apply(e)
+        else:
+            index = index_of(event)
+        held[name] = (len(index), index.leading(plain))
+    assert held == {"base": (2, 2), "adapter": (2, 0), "salt": (2, 0)}
+
+
+def test_another_tier_or_kv_cache_group_is_not_the_gpus_prefix_cache():
+    """A block offloaded to CPU, or a hybrid model's other KV cache group, is not what a
+    prompt hits on the GPU: not indexed, and its removal leaves the GPU's copy held."""
+    tokens_ = [1, 2, 3, 4]
+    plain = block_keys(tokens_, 2)
+    assert index_of(vllm_stored([1, 2], tokens_, medium="CPU")).leading(plain) == 0
+    assert index_of(vllm_stored([1, 2], tokens_, group_idx=1)).leading(plain) == 0
+    index = index_of(
+        vllm_stored([1, 2], tokens_),
+        sim_events.BlockRemoved(block_hashes=[1, 2], medium="CPU"),  # the offloaded copy
+        sim_events.BlockRemoved(block_hashes=[1, 2], medium="GPU", group_idx=1),
+    )
+    assert index.leading(plain) == 2
+    assert index_of(vllm_stored([1, 2], tokens_),
+                    sim_events.BlockRemoved(block_hashes=[2], medium="GPU")).leading(plain) == 1
+
+
 def test_sequence_numbers_say_apply_gap_duplicate_or_restarted():
     seq = Sequencer()
     assert seq.verdict(5, 0) == "first"
