@@ -114,6 +114,7 @@ class ReplicaEvents:
                 else:
                     self.expected.pop(key, None)
     last_event_at: float | None = None  # monotonic, of the last batch applied
+    engine_started_at: float | None = None  # the engine's start the index was built under
     # the replica's prompt tokens that missed its cache (vLLM's queries - hits), as scraped
     # when a batch had last come: what it computed since must show up as BlockStored
     misses_at_event: float | None = None
@@ -377,9 +378,16 @@ class KvEvents:
             misses = cache_misses(replica)
             if state is not None:
                 state.saw(misses)
+            started = None if replica.scrape is None else replica.scrape.started_at
+            reason = None
             if state is not None and self._untrusted(replica, state, misses, where[2], now):
-                self._stop(replica_id)
                 reason = "silent" if replica.healthy else "unhealthy"
+            elif state is not None and started is not None and started != (
+                state.engine_started_at or started
+            ):  # a new engine: its sequence numbers may have passed the old ones unseen
+                reason = "restarted"
+            if reason is not None:
+                self._stop(replica_id)
                 self.metrics.kv_events_resets.labels(replica_id, reason).inc()
                 state = running = None
             if state is None:
@@ -387,6 +395,7 @@ class KvEvents:
                     BlockIndex(replica.num_gpu_blocks or UNKNOWN_CAPACITY))
             elif replica.num_gpu_blocks and state.index.capacity != replica.num_gpu_blocks:
                 state.index.resize(replica.num_gpu_blocks)  # discovery learned it since
+            state.engine_started_at = started or state.engine_started_at
             if running is None and replica.healthy:
                 endpoint, replay, settings = where
                 subscriber = Subscriber(replica_id, replica.pool, endpoint, replay, settings,

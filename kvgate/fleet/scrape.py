@@ -54,6 +54,9 @@ class Scrape:
     prefix_hits: float | None = None
     generation_tokens: float | None = None
     admission_rejections: float | None = None  # requests its queue limits refused (503)
+    # when its engine's counters began (their `_created`, the latest over its engines): a
+    # new value is a restarted engine, whatever its other figures say
+    started_at: float | None = None
 
 
 class DecodeClock:
@@ -111,7 +114,9 @@ class DecodeClock:
 
 
 _INFO = "vllm:cache_config_info"
-_READ = frozenset(_ALIASES) | {_INFO}
+# when the engine's generation counter began: its start (`Scrape.started_at`)
+_STARTED = "vllm:generation_tokens_created"
+_READ = frozenset(_ALIASES) | {_INFO, _STARTED}
 
 
 def read_lines(text: str) -> str:
@@ -150,6 +155,9 @@ def parse_vllm_metrics(text: str, at: float) -> Scrape:
                 size = sample.labels.get("block_size", "")
                 if size.isdigit():
                     block_size = int(size)
+            continue
+        if family.name == _STARTED:  # the text format's own family for `_created`
+            scrape.started_at = max((sample.value for sample in family.samples), default=None)
             continue
         kind = _ALIASES.get(family.name)
         if kind is None:

@@ -510,6 +510,47 @@ def test_blocks_under_a_parent_the_index_never_saw_are_counted_and_reported():
     assert counted == 2
 
 
+async def test_an_engine_that_started_again_is_read_afresh_whatever_its_numbers_say(sim_factory):
+    """A replica whose engine restarted while its subscriber heard nothing (its sequence
+    numbers may have passed the old ones: no regression to see) is known by its counters'
+    start, and its index is emptied and read again from a replay."""
+    replica = await sim_factory(**SIM)
+    r = Replica(config=ReplicaConfig(url=replica.url, name="a", num_gpu_blocks=64,
+                                     kv_events=KvEventsEndpoints(**replica.kv_events_endpoints)),
+                pool="default", healthy=True)  # fmt: skip
+    config = parse_config({"pools": {"default": {
+        "replicas": [{"url": replica.url, "name": "a"}], "kv_events": {}}}})
+    events = KvEvents(Metrics())
+
+    async def scraped(http: aiohttp.ClientSession) -> Scrape:
+        from kvgate.fleet.scrape import parse_vllm_metrics
+
+        async with http.get(f"{replica.url}/metrics") as response:
+            return parse_vllm_metrics(await response.text(), 0.0)
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            r.scrape = await scraped(http)
+            assert r.scrape.started_at is not None
+            events.sync([r], config)
+            await joined(http, replica, events.states["a"])
+            await complete(http, replica, PROMPT)
+            await caught_up(replica, events.states["a"])
+            before = events.states["a"]
+            events.sync([r], config)  # the same engine: nothing changes
+            assert events.states["a"] is before and events.index("a") is not None
+            await asyncio.sleep(0.01)
+            await replica.restart()
+            r.scrape = await scraped(http)
+            events.sync([r], config)
+            assert events.states["a"] is not before and events.index("a") is None
+            reset = events.metrics.registry.get_sample_value(
+                "kvgate_kv_events_resets_total", {"replica": "a", "reason": "restarted"})
+            assert reset == 1
+    finally:
+        await events.close()
+
+
 def test_the_endpoints_config_is_checked():
     with pytest.raises(ValueError, match="endpoint"):
         KvEventsEndpoints(endpoint="gpu-a:5557")

@@ -49,10 +49,15 @@ async def test_a_replicas_exposition_reads_as_the_whole_parse_reads_it(
     assert scrape.generation_tokens == 35 and scrape.prefix_queries > 0  # the figures are live
     assert scrape.kv_usage == whole(text, "vllm:kv_cache_usage_perc")[0]
     assert (scrape.num_gpu_blocks, scrape.block_size) == (FAST["num_gpu_blocks"], 16)
+    # the engine's start: when its generation counter began
+    started = [s.value for f in text_string_to_metric_families(text)
+               if f.name == "vllm:generation_tokens_created" for s in f.samples]  # fmt: skip
+    assert scrape.started_at == max(started) > 0
     # what is left for the parser: the read families only, none of the histograms
     kept = {f.name for f in text_string_to_metric_families(read_lines(text))}
     assert kept == {*SUMMED.values(), "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
-                    "vllm:admission_rejections"} & {f.name for f in text_string_to_metric_families(text)}  # fmt: skip
+                    "vllm:admission_rejections", "vllm:generation_tokens_created",
+                    } & {f.name for f in text_string_to_metric_families(text)}  # fmt: skip
     assert len(read_lines(text)) < len(text) / 5
 
 
