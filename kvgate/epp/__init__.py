@@ -1,3 +1,4 @@
 """kvgate as the Gateway API Inference Extension's endpoint picker, Envoy as its data plane:
 the ext_proc stream (`stream`), the Envoy data plane of a request (`plane`), the processor
-(`processor`), its gRPC server (`server`) and Envoy's configuration (`envoy`)."""
+(`processor`), its gRPC server (`server`) and its certificate (`tls`), and Envoy's
+configuration (`envoy`)."""
