@@ -28,13 +28,15 @@ as the ledger counts them; requests at staggered stages peak far lower, as some 
 others grow.
 
 Work conservation is for normal load. A replica that preempted (or refused at its queue
-limits) in one of its last `overcommit.STRAINED_SCRAPES` (10) scrapes is closed to it, and so is a pool where
-a quarter of the requests of the last 10 s were refused at arrival for want of room
-(`PoolQueue.overloaded`): past capacity, letting more in only trades the ledger's promise for
-preemptions, and the ledger, steered by `kvgate.admission.overcommit`, decides alone.
-Worst-case requests never use this path: their guarantee is the ledger's.
+limits) in one of its last `overcommit.STRAINED_SCRAPES` (10) scrapes is closed to it: past
+capacity, letting more in only trades the ledger's promise for preemptions, and the ledger,
+steered by `kvgate.admission.overcommit`, decides alone. Worst-case requests never use this
+path: their guarantee is the ledger's, and neither do requests with a latency target
+(admission asks `Room.limit` only for those without one).
 
-Pure arithmetic; no I/O.
+`Room` keeps what the rule reads between discovery rounds (each replica's last scrape, what
+kvgate had written then, a cache of its running requests' curve); the rest is arithmetic.
+No I/O.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvgate.admission.demand import Demand, Slot
+    from kvgate.admission.ledger import Ledger
+    from kvgate.admission.overcommit import Overcommit
+    from kvgate.fleet.replicas import Replica
+    from kvgate.fleet.scrape import Scrape
     from kvgate.fleet.snapshot import ReplicaView
 
 # The peak is read this many standard deviations above its expectation: few long answers of
@@ -55,6 +61,9 @@ CONFIDENCE = 2.0
 # vLLM keeps this share of its blocks free when it starts a request (its scheduler's
 # watermark, 1%); work conservation keeps it too.
 WATERMARK = 0.01
+# The expected occupancy of a replica's running requests is read as made at most this long
+# ago (or since its ledger figure last moved): the answers write on meanwhile.
+CURVE_TTL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +196,56 @@ def vllm_room(
     prompt = min(blocks, max(0, math.ceil(demand.prompt_tokens / size) - shared))
     newcomer = Holding(prompt, demand.prompt_tokens, blocks, demand.alive)
     return running.peak_with(newcomer, size) <= room
+
+
+class Room:
+    """Work conservation for one admission stage: per replica, when its last scrape in a
+    discovery round was read and the blocks this instance's requests had written then, and
+    the curve of its running requests (made again once CURVE_TTL_S old, or when its ledger
+    figure moved)."""
+
+    def __init__(
+        self, ledger: Ledger, overcommit: Overcommit, clock: Callable[[], float]
+    ) -> None:
+        self.ledger, self.overcommit, self.clock = ledger, overcommit, clock
+        self._seen: dict[str, tuple[float, int]] = {}
+        self._curves: dict[str, tuple[tuple[int, int], float, Curve]] = {}
+
+    def scraped(self, replica: Replica, scrape: Scrape) -> None:
+        """A discovery round read this scrape of the replica: what ours had written then."""
+        self._seen[replica.id] = (scrape.at, replica.written_blocks())
+
+    def keep(self, replica_ids: set[str]) -> None:
+        """Forget the replicas that left the fleet."""
+        self._seen = {rid: seen for rid, seen in self._seen.items() if rid in replica_ids}
+        self._curves = {rid: c for rid, c in self._curves.items() if rid in replica_ids}
+
+    def limit(self, view: ReplicaView, demand: Demand, limit: int) -> int | None:
+        """Where the ledger's `limit` leaves no room for a predicted demand but the replica
+        could carry it now (`vllm_room`), the ledger limit at which it fits; else None."""
+        blocks = demand.blocks_on(view.replica)
+        replica = view.replica
+        if (not demand.predicted or view.reserved_blocks + blocks <= limit
+                or replica.scrape is None or self.overcommit.strained(view.id)):
+            return None
+        seen = self._seen.get(view.id)
+        written_then = seen[1] if seen is not None and seen[0] == replica.scrape.at else None
+        held = self.ledger.exact.get(view.id, 0) + self.ledger.prefixes.held_blocks(view.id)
+        if not vllm_room(view, demand, self._curve(view), held, written_then):
+            return None
+        return view.reserved_blocks + blocks
+
+    def _curve(self, view: ReplicaView) -> Curve:
+        """The expected occupancy of this instance's running requests on the replica."""
+        now = self.clock()
+        key = (view.reserved_blocks, view.block_size)
+        cached = self._curves.get(view.id)
+        if cached is not None and cached[0] == key and now - cached[1] < CURVE_TTL_S:
+            return cached[2]
+        replica = view.replica
+        curve = Curve(
+            holdings((s for s in self.ledger.growing if s.replica is replica), view.block_size),
+            view.block_size,
+        )
+        self._curves[view.id] = (key, now, curve)
+        return curve

@@ -40,7 +40,7 @@ from kvgate.admission.ledger import Ledger
 from kvgate.admission.overcommit import Overcommit
 from kvgate.admission.placement import check_can_ever_fit, first_not_busy, limit_for
 from kvgate.admission.queue import Ticket
-from kvgate.admission.room import Curve, holdings, vllm_room
+from kvgate.admission.room import Room
 from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
 from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
@@ -57,9 +57,6 @@ log = logging.getLogger(__name__)
 # at once (this instance's directly, other instances' through the store's release notices);
 # the poll catches what nobody announces, such as a dead instance's leases expiring.
 POLL_INTERVAL_S = 0.1
-# Work conservation reads the expected occupancy of a replica's running requests made at most
-# this long ago (or since its ledger figure last moved): the answers write on meanwhile.
-CURVE_TTL_S = 0.05
 
 # Ranks the replicas for one request, given the seconds it has waited so far; called on arrival
 # and again on every placement attempt, so a queued request goes where room appears.
@@ -95,10 +92,7 @@ class Admission:
         self.prefixes = self.ledger.prefixes
         self.overcommit = Overcommit()
         self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
-        # work conservation (`kvgate.admission.room`): per replica, when its last scrape in a
-        # discovery round was read, and the blocks this instance's requests had written then
-        self._seen: dict[str, tuple[float, int]] = {}
-        self._curves: dict[str, tuple[tuple[int, int], float, Curve]] = {}
+        self.room = Room(self.ledger, self.overcommit, clock)  # work conservation
 
     # What the fleet view shows of admission (`kvgate.fleet.view.AdmissionFigures`).
 
@@ -197,7 +191,7 @@ class Admission:
     ) -> Slot | None:
         """The first of the replicas the ranking lets a request that has waited `waited_s`
         use (`Ranking.usable`), not `closed` to this request, whose ledger takes the demand,
-        or (`conserve`) whose vLLM could carry it now (`_room_limit`)."""
+        or (`conserve`) whose vLLM could carry it now (`Room.limit`)."""
         for view, limit, conserved in self._limits(
             demand, ranking, config, waited_s, closed, conserve
         ):
@@ -237,43 +231,12 @@ class Admission:
         for view in ranking.usable(waited_s):
             if view.id in closed or (limit := limit_for(view, demand, config)) is None:
                 continue
-            room = self._room_limit(view, demand, limit) if conserve else None
+            # work conservation, asked only for requests without a latency target: the wait
+            # estimate that refuses those at arrival is read from the ledger, and letting
+            # requests past it under overload cost the production trace at 3x a fifth of its
+            # goodput (4.25 against 5.28, docs/admission.md)
+            room = self.room.limit(view, demand, limit) if conserve else None
             yield view, (limit if room is None else room), room is not None
-
-    def _room_limit(self, view: ReplicaView, demand: Demand, limit: int) -> int | None:
-        """Work conservation (`kvgate.admission.room`): where the ledger's `limit` leaves no
-        room for a predicted demand but the replica could carry it now, the ledger limit at
-        which it fits; else None. Asked only for requests without a latency target: the wait
-        estimate that refuses those at arrival is read from the ledger, and letting requests
-        past it under overload cost the production trace at 3× a fifth of its goodput (4.25
-        against 5.28, docs/admission.md)."""
-        blocks = demand.blocks_on(view.replica)
-        replica = view.replica
-        if (not demand.predicted or view.reserved_blocks + blocks <= limit
-                or replica.scrape is None or self.overcommit.strained(view.id)):
-            return None
-        seen = self._seen.get(view.id)
-        written_then = seen[1] if seen is not None and seen[0] == replica.scrape.at else None
-        held = self.ledger.exact.get(view.id, 0) + self.prefixes.held_blocks(view.id)
-        if not vllm_room(view, demand, self._curve(view), held, written_then):
-            return None
-        return view.reserved_blocks + blocks
-
-    def _curve(self, view: ReplicaView) -> Curve:
-        """The expected occupancy of this instance's running requests on the replica, made
-        again once CURVE_TTL_S old or when its ledger figure moved (a request came or went)."""
-        now = self.clock()
-        key = (view.reserved_blocks, view.block_size)
-        cached = self._curves.get(view.id)
-        if cached is not None and cached[0] == key and now - cached[1] < CURVE_TTL_S:
-            return cached[2]
-        replica = view.replica
-        curve = Curve(
-            holdings((s for s in self.ledger.growing if s.replica is replica), view.block_size),
-            view.block_size,
-        )
-        self._curves[view.id] = (key, now, curve)
-        return curve
 
     async def _wait(self, pool: PoolQueue, waiter: Waiter, waited_s: float = 0.0) -> Slot:
         """Queue the request until the dispatcher places it, up to max_wait_s less the
@@ -376,9 +339,10 @@ class Admission:
 
     async def _serve_pass(self, pool: PoolQueue) -> None:
         """One pass over the queue in service order, the overdue first (`Waiter.overdue`),
-        each request placed under the admission config it arrived with. A request that does not fit puts up a barrier on the replicas
-        it could use: requests of a lower class may not take them, nor may anyone once it has
-        aged (`Waiter.aged`), so large requests still make progress. Requests for other
+        each request placed under the admission config it arrived with. A request that does
+        not fit puts up a barrier on the replicas it could use: requests of a lower class may
+        not take them, nor may anyone once it has aged (`Waiter.aged`), so large requests
+        still make progress. Requests for other
         replicas go on. Within a pass, once a request of n blocks did not fit on a set of
         replicas, larger ones for the same set are not tried, nor ranked again while their
         last ranking is younger than RERANK_S: passes run on every release, and a pass over a
@@ -440,14 +404,12 @@ class Admission:
         stale = self.current().discovery.stale_after_s
         waiting = {name for name, pool in self._pools.items() if pool.take_demand()}
         replicas = list(replicas)
-        ids = {r.id for r in replicas}
-        self._seen = {rid: seen for rid, seen in self._seen.items() if rid in ids}
-        self._curves = {rid: c for rid, c in self._curves.items() if rid in ids}
+        self.room.keep({r.id for r in replicas})
         for replica in replicas:
             scrape = replica.fresh_scrape(stale)
             if scrape is None:
                 continue
-            self._seen[replica.id] = (scrape.at, replica.written_blocks())
+            self.room.scraped(replica, scrape)
             factor = self.overcommit.observe(
                 replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
                 demand=replica.pool in waiting, waiting=scrape.waiting,
