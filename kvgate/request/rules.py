@@ -64,7 +64,6 @@ def priority(value: Any) -> Any:
     return value
 
 
-
 def of_type(kind: type, text: str, *, required: bool = False) -> Callable[[Any], Any]:
     """A validator refusing, in `text`, a value not of `kind` (None passes unless `required`)."""
 
