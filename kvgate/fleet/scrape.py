@@ -2,9 +2,12 @@
 `DecodeClock` that turns vLLM's generation-token counter into each sequence's output so far.
 
 /metrics is read by discovery (`kvgate.fleet.discovery`) and once more when the last of this
-instance's requests on a replica ends, or before a whole answer that ended unseen (its client
-left, or kvgate stopped waiting) is charged (`metrics_read_after`): within the discovery
-timeout, after the answer's fate is sealed. A slow or failing read leaves the figures to age.
+instance's requests on a replica ends, or before an answer that ended unseen (its client
+left, kvgate stopped waiting, or its body went past kvgate behind Envoy) is charged
+(`metrics_read_after`): within the discovery timeout, after the answer's fate is sealed.
+Those reads are spaced READ_GAP_S apart per replica: whatever ends meanwhile shares the next,
+so a replica's /metrics is read at most a few times a second whatever the request rate. A
+slow or failing read leaves the figures to age.
 """
 
 from __future__ import annotations
@@ -179,10 +182,16 @@ def parse_vllm_metrics(text: str, at: float) -> Scrape:
 
 @dataclass(frozen=True, slots=True)
 class MetricsRead:
-    """One read of a replica's /metrics under way: when it was sent, and its task."""
+    """One read of a replica's /metrics, under way or due: when it is sent, and its task."""
 
     sent_at: float
     task: asyncio.Task[bool]
+
+
+# The least time between two reads of a replica's /metrics on demand (not discovery's): a
+# charge waits at most this long for figures that cover its request's end, and a replica
+# answering a thousand requests a second is read four times a second, not a thousand.
+READ_GAP_S = 0.25
 
 
 async def read_metrics(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:
@@ -209,15 +218,27 @@ async def read_metrics(session: aiohttp.ClientSession, replica: Replica, timeout
     return True
 
 
+async def _read_later(
+    session: aiohttp.ClientSession, replica: Replica, delay_s: float, timeout_s: float
+) -> bool:
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    return await read_metrics(session, replica, timeout_s)
+
+
 def metrics_read_after(
     session: aiohttp.ClientSession, replica: Replica, moment: float, timeout_s: float
 ) -> asyncio.Task[bool]:
     """A read of the replica's /metrics sent after `moment` (say, when a request ended there):
-    the one under way since then, or a new one, so that requests that end together share it.
-    Await it (shielded: others share it) for figures that cover what happened until `moment`;
-    it is False when /metrics could not be read."""
+    the one under way or due since then, or a new one, sent now or READ_GAP_S after the one
+    before, so that requests that end together share it. Await it (shielded: others share
+    it) for figures that cover what happened until `moment`; it is False when /metrics could
+    not be read."""
     pending = replica.reading
-    if pending is None or pending.sent_at < moment:
-        task = asyncio.ensure_future(read_metrics(session, replica, timeout_s))
-        pending = replica.reading = MetricsRead(time.monotonic(), task)
-    return pending.task
+    if pending is not None and pending.sent_at >= moment:
+        return pending.task
+    now = time.monotonic()
+    due = now if pending is None else max(now, pending.sent_at + READ_GAP_S)
+    task = asyncio.ensure_future(_read_later(session, replica, due - now, timeout_s))
+    replica.reading = MetricsRead(due, task)
+    return task

@@ -1,13 +1,23 @@
 """Reading a replica's /metrics: kvgate parses only the families it reads, and reads them as
-prometheus_client's parser reads the whole exposition."""
+prometheus_client's parser reads the whole exposition; reads on demand are spaced."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.fleet.scrape import parse_vllm_metrics, read_lines
+from kvgate.config.schema import ReplicaConfig
+from kvgate.fleet.replicas import Replica
+from kvgate.fleet.scrape import READ_GAP_S, metrics_read_after, parse_vllm_metrics, read_lines
+from tests.plugins.gateway import serve_app
 from tests.plugins.sim import SimFactory
 from tests.sim.helpers import FAST
 
@@ -94,3 +104,35 @@ def test_a_family_kvgate_does_not_read_cannot_make_the_scrape_unreadable() -> No
     assert scrape.running == 7
     with pytest.raises(ValueError):  # one it reads still can: the read is refused, not guessed
         parse_vllm_metrics(ENGINES + 'vllm:num_requests_waiting{engine="0" 3\n', at=0.0)
+
+
+async def test_reads_on_demand_are_spaced_and_each_covers_the_end_it_was_asked_for() -> None:
+    """Requests that end one after another share reads of /metrics spaced READ_GAP_S apart
+    (a replica answering fast is not read once per answer), and each waits for a read sent
+    after its own end, so that the figures it is charged by cover it."""
+    sent: list[float] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        sent.append(time.monotonic())
+        return web.Response(text=f"vllm:num_requests_running {len(sent)}\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, url = await serve_app(app)
+    replica = Replica(ReplicaConfig(url=url), "pool")
+    ends = 40
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        stack.push_async_callback(runner.cleanup)
+        waits = []
+        for _ in range(ends):  # one end every 20 ms: 0.8 s of them
+            moment = time.monotonic()
+            waits.append((moment, metrics_read_after(http, replica, moment, timeout_s=1.0)))
+            await asyncio.sleep(0.02)
+        for moment, read in waits:
+            assert await asyncio.shield(read)
+            # a read was sent after this end, and had come back when the wait was over
+            assert any(moment <= at for at in sent)
+    assert replica.scrape is not None and replica.scrape.running == len(sent)  # the last read
+    assert 2 <= len(sent) <= 1 + math.ceil(0.8 / READ_GAP_S) + 1, sent
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert min(gaps) >= READ_GAP_S * 0.9, gaps  # the timer's own slack aside
