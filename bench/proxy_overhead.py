@@ -25,6 +25,9 @@ Starts, each in its own process(es) on 127.0.0.1:
                         goes past kvgate, which hears its headers and its end
       envoy+kvgate-epp-duplex  the same with both bodies FULL_DUPLEX_STREAMED, as Istio,
                         kgateway and GKE configure ext_proc
+      envoy+grpc-floor  Envoy as envoy+kvgate-epp with `bench/grpc_floor.py` as its picker: the
+                        same gRPC exchange in Python (grpc.aio, TLS) with no policy, the floor
+                        under kvgate's picker
 Then drives every contender with the same aiohttp client from this process: non-streamed chat
 (max_tokens 16, ~1 KB body) at each of `--concurrency`, and streamed chat (64 chunks) at each
 of `--stream-concurrency`; closed loop, a warm-up then a fixed measured time per cell, split
@@ -50,6 +53,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
@@ -78,12 +82,31 @@ RAMP_S = 0.1  # unmeasured lead of every slice after a contender's first
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 CONTENDERS = ("direct", "passthrough", "vllm-router", "nginx", "kvgate", "kvgate-all-memory",
               "kvgate-all-redis", "kvgate-all-redis-2w", "kvgate-all-memory-16r", "envoy",
-              "envoy+kvgate-epp", "envoy+kvgate-epp-headers", "envoy+kvgate-epp-duplex")  # fmt: skip
+              "envoy+kvgate-epp", "envoy+kvgate-epp-headers", "envoy+kvgate-epp-duplex",
+              "envoy+grpc-floor")  # fmt: skip
 # Envoy's response_body_mode for each picker contender (full duplex: both bodies, as Istio,
 # kgateway and GKE configure ext_proc)
 EPP_BODY = {"envoy+kvgate-epp": "STREAMED", "envoy+kvgate-epp-headers": "NONE",
             "envoy+kvgate-epp-duplex": "FULL_DUPLEX_STREAMED"}
 PICKER = ":picker"  # the child process of an Envoy contender that picks for it
+# Words a long document is made of (`--prompt-bytes`): varied, so that the tokenizer and the
+# normalizer do their usual work on it, not a fast path for one repeated word.
+WORDS = ("block", "cache", "prefix", "replica", "token", "decode", "prefill", "ledger", "queue",
+         "tenant", "budget", "stream", "engine", "scheduler", "latency", "throughput", "router",
+         "gateway", "session", "sequence", "attention", "memory", "page", "evict", "admit")
+DOCUMENT = ""  # the document every request's user turn carries (`--prompt-bytes`)
+
+
+def document(size: int) -> str:
+    """About `size` bytes of sentences (a retrieved document, a long context)."""
+    rng = random.Random(size)
+    parts: list[str] = []
+    length = 0
+    while length < size:
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 18))).capitalize()
+        parts.append(sentence + ". ")
+        length += len(sentence) + 2
+    return "".join(parts)[:size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +125,8 @@ class Workload:
             "model": "sim-model",
             "messages": [
                 {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Question number {i}: what is a KV block?"},
+                {"role": "user",
+                 "content": f"{DOCUMENT}Question number {i}: what is a KV block?"},
             ],
             "max_tokens": self.max_tokens,
             "stream": self.stream,
@@ -372,6 +396,14 @@ async def start_servers(
             ready[name + PICKER] = f"http://127.0.0.1:{http_port}/ready"
             ready[name] = start_envoy(children, name, port, stub, f"127.0.0.1:{picker}",
                                       proxy_cpus, EPP_BODY[kind])  # fmt: skip
+            continue
+        elif kind == "envoy+grpc-floor":
+            picker = free_port()
+            children.start(name + PICKER, [py, "bench/grpc_floor.py", "--port", str(picker),
+                                           "--replica", stub.removeprefix("http://")],
+                           proxy_cpus)  # fmt: skip
+            ready[name] = start_envoy(children, name, port, stub, f"127.0.0.1:{picker}",
+                                      proxy_cpus)  # fmt: skip
             continue
         else:
             prefix = f"kvgate-bench-{run_id}-{name}" if "redis" in name else None
@@ -745,7 +777,12 @@ def main() -> int:
                              "are then not comparable)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "proxy_overhead"),
                         help="writes OUT.md and OUT.json")  # fmt: skip
+    parser.add_argument("--prompt-bytes", type=int, default=0,
+                        help="a document of about this many bytes in every user turn (220000: "
+                             "the long bodies the Inference Extension's users measure)")
     args = parser.parse_args()
+    global DOCUMENT
+    DOCUMENT = document(args.prompt_bytes) if args.prompt_bytes else ""
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     args.run_id = os.urandom(4).hex()
     args.trips = {}

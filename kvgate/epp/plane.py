@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvgate.epp.stream import (
     DESTINATION,
@@ -60,7 +60,7 @@ class EnvoyRequest:
     """One request's side of Envoy: its `send` is the plane's transport, `deliver` its relay.
     Made when the request's headers came; its body and body mode are set once they are read."""
 
-    def __init__(self, stream: EnvoyStream, incoming: Mapping[str, str]) -> None:
+    def __init__(self, stream: EnvoyStream, incoming: CIMultiDictProxy[str]) -> None:
         self.stream = stream
         self.incoming = incoming  # the client's headers, as Envoy has them
         self.raw = b""  # the client's body, as Envoy buffered it
@@ -145,14 +145,23 @@ class EnvoyRequest:
         metadata = {LB_NAMESPACE: {DESTINATION: request.replica.address}}
         if phase == "request_headers":  # Envoy drops a content-length here, and sends it chunked
             wanted.popall("content-length", None)
-            reply = headers_reply(phase, wanted, remove)
+            reply = headers_reply(phase, self.changes(wanted), remove)
             reply.dynamic_metadata.CopyFrom(metadata_struct(metadata))
             return reply
         body = None
         if request.body != self.raw:
             body = request.body
             wanted["content-length"] = str(len(body))
-        return body_reply(phase, body, set_headers=wanted, remove=remove, metadata=metadata)
+        return body_reply(
+            phase, body, set_headers=self.changes(wanted), remove=remove, metadata=metadata
+        )
+
+    def changes(self, wanted: CIMultiDict[str]) -> dict[str, str]:
+        """The headers in `wanted` that Envoy does not hold as they are: only those are set
+        (each costs kvgate a protobuf message and Envoy a header mutation)."""
+        incoming = self.incoming
+        return {name: value for name, value in wanted.items()
+                if incoming.getall(name, None) != wanted.getall(name)}  # fmt: skip
 
     async def deliver(
         self, answer: UpstreamResponse, headers: Mapping[str, str], client_wants_usage: bool
