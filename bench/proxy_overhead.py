@@ -391,8 +391,11 @@ async def start_servers(
             tree["server"]["epp"] = {"port": picker}  # type: ignore[index]
             path = children.logs / f"{name}.yaml"
             path.write_text(yaml.safe_dump(tree))
-            children.start(name + PICKER, [py, "-m", "kvgate.cli", "serve", "--config", str(path),
-                                           "--workers", "1"], proxy_cpus)  # fmt: skip
+            argv = [py, "-m", "kvgate.cli", "serve", "--config", str(path), "--workers", "1"]
+            cwd = ROOT
+            if base and ab:  # the picker from the other tree's code
+                argv, cwd = ["env", f"PYTHONPATH={ab}", *argv], Path(ab)
+            children.start(name + PICKER, argv, proxy_cpus, cwd)
             ready[name + PICKER] = f"http://127.0.0.1:{http_port}/ready"
             ready[name] = start_envoy(children, name, port, stub, f"127.0.0.1:{picker}",
                                       proxy_cpus, EPP_BODY[kind])  # fmt: skip
@@ -789,8 +792,8 @@ def main() -> int:
     args.skipped = {n: why for n in args.contenders if (why := unavailable(n))}
     args.names = ["direct", *(n for n in args.contenders if n != "direct" and n not in args.skipped)]
     if args.ab:
-        args.names += [f"{n}@base" for n in args.names
-                       if n.startswith("kvgate") and not n.endswith("-2w")]  # fmt: skip
+        args.names += [f"{n}@base" for n in args.names if n.startswith(("kvgate", "envoy+kvgate"))
+                       and not n.endswith("-2w")]  # fmt: skip
     for name, why in args.skipped.items():
         print(f"  {name}: not run — {why}", flush=True)
     run: Callable[..., list[Cell]] = asyncio.run
