@@ -30,6 +30,7 @@ from kvgate.fleet.discovery import discovery_loop, first_round_within
 from kvgate.fleet.dns import dns_loop
 from kvgate.fleet.drain import watch_drains
 from kvgate.fleet.health import STATE_VALUE, Breakers
+from kvgate.fleet.inference_pool import inference_pools_loop
 from kvgate.fleet.kv_events import KvEvents, kv_events_loop
 from kvgate.fleet.replicas import Registry
 from kvgate.fleet.snapshot import BASES
@@ -149,6 +150,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
             lambda: gateway.admission.after_discovery(gateway.registry), discovered,
         )),
         _task(dns_loop(gateway.registry, current)),
+        _task(inference_pools_loop(gateway.registry, current)),
         _task(kv_events_loop(gateway.kv_events, gateway.registry, current)),
         _task(watch_drains(gateway.store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
@@ -300,10 +302,11 @@ def _store_gauges(gateway: Gateway) -> None:
 
 
 def sync_registry(registry: Registry, config: Config) -> None:
-    """The registry follows the config's pools: listed replicas, and which pools use DNS."""
+    """The registry follows the config's pools: listed replicas, and which pools find more
+    (by DNS, or from an InferencePool)."""
     pools = config.pools
     registry.sync({name: pool.replicas for name, pool in pools.items()},
-                  dns={name for name, pool in pools.items() if pool.dns is not None})
+                  found={name for name, pool in pools.items() if pool.found_by is not None})
 
 
 def client_session(upstream: UpstreamConfig) -> aiohttp.ClientSession:

@@ -62,7 +62,7 @@ def test_every_problem_is_reported_together():
 def test_missing_pools_is_reported_as_required():
     assert problems({}) == ["pools: required"]
     assert problems({"pools": {"default": {"replicas": []}}}) == [
-        "pools.default: a pool needs replicas, a dns name, or both"
+        "pools.default: a pool needs replicas, a dns name or an inference_pool"
     ]
 
 

@@ -35,6 +35,7 @@ from kvgate.config.schema import (
     DnsConfig,
     EppConfig,
     EppTlsConfig,
+    InferencePoolConfig,
     KvEventsConfig,
     KvEventsEndpoints,
     ModelConfig,
@@ -51,7 +52,7 @@ from kvgate.config.schema import (
 __all__ = [
     "PRIORITY_CLASSES", "AdminConfig", "AdmissionConfig", "AuthConfig", "CalibrationConfig",
     "ChatTemplateConfig", "CircuitConfig", "Config", "ConfigError", "CurrentConfig",
-    "DiscoveryConfig", "DnsConfig", "EppConfig", "EppTlsConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
+    "DiscoveryConfig", "DnsConfig", "EppConfig", "EppTlsConfig", "InferencePoolConfig", "KvEventsConfig", "KvEventsEndpoints", "ModelConfig", "PoolConfig", "PredictionConfig",
     "QueueConfig", "ReplicaConfig", "RetryConfig", "RoutingConfig", "ServerConfig",
     "SessionsConfig", "StateConfig", "TenantConfig", "TimeoutsConfig", "TokenizerConfig",
     "UpstreamConfig", "apply_overrides", "interpolate", "load_config", "masked",

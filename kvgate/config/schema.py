@@ -149,6 +149,12 @@ class KvEventsConfig(Section):
     # their index (its cache may be gone with them).
     silent_after_s: PositiveFloat = 30.0
     replay_timeout_s: PositiveFloat = 2.0
+    # How the replicas hash blocks (vLLM's --prefix-caching-hash-algo, and PYTHONHASHSEED
+    # where it is set; vLLM's own seed otherwise): kvgate computes the same hashes, so that a
+    # block stored under a prefix cached before it subscribed still matches. Checked against
+    # each replica's first root block before it is relied on; null: by content alone.
+    block_hash: Literal["sha256", "sha256_cbor"] | None = "sha256"
+    hash_seed: str = "vllm-none-hash"
 
 
 class ReplicaConfig(Section):
@@ -182,9 +188,32 @@ class DnsConfig(Section):
     interval_s: PositiveFloat = 10.0
 
 
+# Where a pod finds its service account: the API's token (rotated by the kubelet, so read
+# afresh each round), its CA, and the pod's namespace.
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class InferencePoolConfig(Section):
+    """Replicas from a Gateway API Inference Extension InferencePool (`inference.networking.
+    k8s.io/v1`, or `inference.networking.x-k8s.io/v1alpha2`): the ready pods its selector
+    matches, one replica per pod and target port, read through the Kubernetes API every
+    `interval_s`; a pod that stops being ready is drained."""
+
+    name: str = Field(min_length=1)
+    namespace: str | None = None  # None: kvgate's own (its service account's)
+    # None: the cluster's own API (KUBERNETES_SERVICE_HOST and _PORT), as a pod reaches it;
+    # else a URL (`kubectl proxy`'s http://127.0.0.1:8001, say)
+    api_server: str | None = None
+    token_file: str | None = f"{SERVICE_ACCOUNT}/token"  # sent as a bearer token if it exists
+    ca_file: str | None = f"{SERVICE_ACCOUNT}/ca.crt"  # trusted for https if it exists
+    scheme: Literal["http", "https"] = "http"
+    interval_s: PositiveFloat = 5.0
+
+
 class PoolConfig(Section):
     replicas: list[ReplicaConfig] = []
     dns: DnsConfig | None = None
+    inference_pool: InferencePoolConfig | None = None
     # A request goes to the pool with the highest threshold its worst case reaches.
     min_worst_case_tokens: int = Field(0, ge=0)
     # Pool to try when this one has no healthy replica with capacity for the request.
@@ -201,9 +230,17 @@ class PoolConfig(Section):
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:
-        if not self.replicas and self.dns is None:
-            raise ValueError("a pool needs replicas, a dns name, or both")
+        if self.dns is not None and self.inference_pool is not None:
+            raise ValueError("a pool finds its replicas by dns or from an inference_pool, "
+                             "not both")
+        if not self.replicas and self.found_by is None:
+            raise ValueError("a pool needs replicas, a dns name or an inference_pool")
         return self
+
+    @property
+    def found_by(self) -> DnsConfig | InferencePoolConfig | None:
+        """Where replicas beyond those listed come from, if anywhere."""
+        return self.dns or self.inference_pool
 
 
 class TokenizerConfig(Section):

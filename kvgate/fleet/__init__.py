@@ -1,10 +1,11 @@
 """The fleet: which replicas there are, whether they are healthy, and one immutable snapshot
 of them that routing, admission, the gauges and the admin view all read.
 
-    replicas.py   membership (static or DNS): the registry and what it knows of each replica
+    replicas.py   membership (listed, or found): the registry and what it knows of each replica
     scrape.py     each replica's /metrics read and parsed, and its decode clock
     discovery.py  the background loop that checks and scrapes every replica
     dns.py        resolving a headless service to replicas
+    inference_pool.py  an InferencePool's ready pods as replicas, through the Kubernetes API
     health.py     passive health: a circuit breaker per replica
     drain.py      drain, fleet-wide, through the state store
     snapshot.py   the immutable picture of the fleet at one moment

@@ -1,5 +1,6 @@
 """The replica registry: what kvgate knows about each vLLM replica, and which replicas there
-are (listed in the config, or found by DNS), kept in place across reloads and DNS rounds.
+are (listed in the config, or found by DNS or from an InferencePool), kept in place across
+reloads and rounds.
 
 Discovery (`kvgate.fleet.discovery`) keeps each replica's health, models and scraped figures
 (`kvgate.fleet.scrape`) fresh; the request path records what its requests write there.
@@ -54,7 +55,7 @@ class Replica:
     # a read of /metrics under way for requests that need figures from after they ended
     reading: MetricsRead | None = None
     drain_requested: bool = False  # by POST /admin/replicas/{id}/drain (undone by .../undrain)
-    vanished: bool = False  # its DNS name no longer resolves to it: drained, then forgotten
+    vanished: bool = False  # its source no longer gives it: drained, then forgotten
 
     @property
     def draining(self) -> bool:
@@ -127,10 +128,10 @@ class Replica:
 
 class Registry:
     """All replicas by id, with the pool each belongs to: those the config lists and those
-    found by resolving a pool's DNS name. Reconfigured in place on reload and on every DNS
-    round, so that in-flight requests and their replica objects stay valid; a replica that
-    leaves (a reload dropped it, its address stopped resolving) while requests still run there
-    stays, draining, until they finish."""
+    a pool's source finds (its DNS name, its InferencePool). Reconfigured in place on reload
+    and on every round, so that in-flight requests and their replica objects stay valid; a
+    replica that leaves (a reload dropped it, its address stopped resolving, its pod is no
+    longer ready) while requests still run there stays, draining, until they finish."""
 
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
@@ -138,16 +139,17 @@ class Registry:
         self._found: dict[str, list[ReplicaConfig]] = {}
 
     def sync(
-        self, pools: Mapping[str, Iterable[ReplicaConfig]], dns: Collection[str] = ()
+        self, pools: Mapping[str, Iterable[ReplicaConfig]], found: Collection[str] = ()
     ) -> None:
-        """The config's replicas, per pool, and which pools are found by DNS (a reload): a
-        pool that lost its DNS name loses the replicas found through it."""
+        """The config's replicas, per pool, and which pools find more (by DNS, or from an
+        InferencePool) (a reload): a pool that lost its source loses the replicas found
+        through it."""
         self._listed = {pool: list(configs) for pool, configs in pools.items()}
-        self._found = {pool: found for pool, found in self._found.items() if pool in dns}
+        self._found = {pool: had for pool, had in self._found.items() if pool in found}
         self._rebuild()
 
     def found(self, pool: str, configs: Iterable[ReplicaConfig]) -> None:
-        """The replicas a pool's DNS name resolves to now."""
+        """The replicas a pool's source (its DNS name, its InferencePool) gives now."""
         self._found[pool] = list(configs)
         self._rebuild()
 

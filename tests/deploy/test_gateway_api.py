@@ -157,15 +157,27 @@ def test_the_pool_names_the_picker_on_the_port_kvgate_listens_on():
 
 
 def test_the_pool_is_the_pods_kvgate_discovers_and_the_route_goes_to_it():
-    pool = one("InferencePool", "vllm")["spec"]
+    pool = one("InferencePool", "vllm")
     vllm = one("Deployment", "vllm", BASE)["spec"]["template"]
-    headless = one("Service", "vllm", BASE)["spec"]
-    assert pool["selector"]["matchLabels"].items() <= vllm["metadata"]["labels"].items()
-    assert pool["selector"]["matchLabels"] == headless["selector"]  # the same pods kvgate resolves
-    (target,) = pool["targetPorts"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= vllm["metadata"]["labels"].items()
+    (target,) = pool["spec"]["targetPorts"]
     http = next(p for p in vllm["spec"]["containers"][0]["ports"] if p["name"] == "http")
+    assert target["number"] == http["containerPort"]
+    # the picker reads that very pool, in its own namespace, as its service account may
     (kvgate_pool,) = picker_config().pools.values()
-    assert target["number"] == http["containerPort"] == kvgate_pool.dns.port
+    assert kvgate_pool.dns is None and kvgate_pool.inference_pool is not None
+    assert kvgate_pool.inference_pool.name == pool["metadata"]["name"]
+    assert kvgate_pool.inference_pool.namespace is None and kvgate_pool.replicas == []
+    spec = one("Deployment", "kvgate-epp")["spec"]["template"]["spec"]
+    account = one("ServiceAccount", spec["serviceAccountName"])["metadata"]["name"]
+    binding = one("RoleBinding", "kvgate-epp")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    rules = one("Role", binding["roleRef"]["name"])["rules"]
+    allowed = {(group, resource, verb) for r in rules for group in r["apiGroups"]
+               for resource in r["resources"] for verb in r["verbs"]}  # fmt: skip
+    group = pool["apiVersion"].split("/")[0]
+    assert allowed == {(group, "inferencepools", "get"), ("", "pods", "list"),
+                       ("inference.networking.x-k8s.io", "inferencepools", "get")}  # fmt: skip
     (rule,) = one("HTTPRoute", "vllm")["spec"]["rules"]
     (backend,) = rule["backendRefs"]
     assert backend == {"group": "inference.networking.k8s.io", "kind": "InferencePool",

@@ -34,7 +34,7 @@ def answering(*answers: set[str] | Exception):
 
 async def test_every_address_is_a_replica_and_one_that_disappears_drains_until_idle():
     registry = Registry()
-    registry.sync({"gpu": []}, dns={"gpu"})
+    registry.sync({"gpu": []}, found={"gpu"})
     resolver = answering({"10.0.0.1", "10.0.0.2"}, {"10.0.0.2"}, {"10.0.0.2"})
     await resolve_pools(registry, pools(), resolver)
     assert sorted(r.id for r in registry) == ["10.0.0.1:8000", "10.0.0.2:8000"]
@@ -50,7 +50,7 @@ async def test_every_address_is_a_replica_and_one_that_disappears_drains_until_i
 
 async def test_a_failed_resolution_keeps_the_last_answer():
     registry = Registry()
-    registry.sync({"gpu": []}, dns={"gpu"})
+    registry.sync({"gpu": []}, found={"gpu"})
     resolver = answering({"10.0.0.1"}, OSError("SERVFAIL"))
     await resolve_pools(registry, pools(), resolver)
     await resolve_pools(registry, pools(), resolver)
@@ -60,10 +60,10 @@ async def test_a_failed_resolution_keeps_the_last_answer():
 async def test_listed_and_found_replicas_live_side_by_side_and_a_reload_keeps_both():
     registry = Registry()
     listed = ReplicaConfig(url="http://static:8000", name="static")
-    registry.sync({"gpu": [listed]}, dns={"gpu"})
+    registry.sync({"gpu": [listed]}, found={"gpu"})
     await resolve_pools(registry, pools(replicas=[listed]), answering({"10.0.0.9"}))
     kept = registry.get("10.0.0.9:8000")
-    registry.sync({"gpu": [listed]}, dns={"gpu"})  # a reload: the found replica stays as it is
+    registry.sync({"gpu": [listed]}, found={"gpu"})  # a reload: the found replica stays as it is
     assert registry.get("10.0.0.9:8000") is kept
     assert sorted(r.id for r in registry) == ["10.0.0.9:8000", "static"]
 
@@ -71,16 +71,16 @@ async def test_listed_and_found_replicas_live_side_by_side_and_a_reload_keeps_bo
 async def test_a_reload_that_removes_the_dns_name_drops_the_replicas_found_by_it():
     registry = Registry()
     listed = ReplicaConfig(url="http://static:8000", name="static")
-    registry.sync({"gpu": [listed]}, dns={"gpu"})
+    registry.sync({"gpu": [listed]}, found={"gpu"})
     await resolve_pools(registry, pools(replicas=[listed]), answering({"10.0.0.9"}))
-    registry.sync({"gpu": [listed]}, dns=set())
+    registry.sync({"gpu": [listed]}, found=set())
     assert [r.id for r in registry] == ["static"]
 
 
 async def test_a_listed_replica_keeps_its_own_settings_when_dns_also_finds_it():
     registry = Registry()
     listed = ReplicaConfig(url="http://10.0.0.5:8000", api_key="k", num_gpu_blocks=77, drain=True)
-    registry.sync({"gpu": [listed]}, dns={"gpu"})
+    registry.sync({"gpu": [listed]}, found={"gpu"})
     await resolve_pools(registry, pools(replicas=[listed]), answering({"10.0.0.5"}))
     (replica,) = list(registry)
     assert (replica.api_key, replica.num_gpu_blocks, replica.draining) == ("k", 77, True)
