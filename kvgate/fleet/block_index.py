@@ -13,11 +13,17 @@ of the blocks they say the replica holds, keyed by content. Pure: no clock, no I
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import msgspec
 
+if TYPE_CHECKING:
+    from kvgate.fleet.engine_hash import EngineHashes
+
 ROOT_KEY = 0  # the parent key of a prompt's first block
+# The content key of a block whose chain began before the index did (its parent unknown, or
+# itself such a block): held under its engine hash alone. Python's hash() is never -1.
+ORPHAN_KEY = -1
 # The fields of each event, in vLLM's order: an array-encoded event lists them after its tag.
 FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -51,13 +57,35 @@ def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY
 class LazyKeys:
     """A prompt's block keys (`block_keys`), made only as far as some replica holds them: a
     long prompt that no replica holds past its system prompt costs a few hashes, not one per
-    block."""
+    block. Its blocks' engine digests (`kvgate.fleet.engine_hash`) likewise, where asked."""
 
-    __slots__ = ("_keys", "size", "tokens")
+    __slots__ = ("_digests", "_hashes", "_keys", "size", "tokens")
 
     def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
         self.tokens, self.size = token_ids, block_size
         self._keys: list[int] = []
+        self._digests: list[bytes] = []
+        self._hashes: EngineHashes | None = None  # whose digests those are
+
+    @property
+    def blocks(self) -> int:
+        """How many full blocks the prompt has."""
+        return len(self.tokens) // self.size
+
+    @property
+    def hashed(self) -> int:
+        """How many of its blocks' engine digests have been made."""
+        return len(self._digests)
+
+    def digests(self, hashes: EngineHashes, blocks: int) -> list[bytes]:
+        """The engine's digests of the prompt's first `blocks` full blocks, by `hashes`."""
+        if self._hashes is not hashes:
+            self._hashes, self._digests = hashes, []
+        out, size, tokens = self._digests, self.size, self.tokens
+        while len(out) < min(blocks, self.blocks):
+            start = len(out) * size
+            out.append(hashes.chain(out[-1] if out else None, tokens[start : start + size]))
+        return out[:blocks]
 
     def leading(self, holds: Callable[[int], bool]) -> int:
         """How many of the prompt's leading blocks are held, by `holds(key)`."""
@@ -250,10 +278,11 @@ class BlockIndex:
         self._keys: dict[Hashable, int] = {}
         self._extra: dict[Hashable, int] = {}  # a hash stored more than once: how many more
         self._held: dict[int, int] = {}  # content key -> engine hashes holding it
-        self.orphans = 0  # stored blocks whose parent the index did not know (skipped)
+        self.orphans = 0  # stored blocks whose content key could not be known (`ORPHAN_KEY`)
 
     def __len__(self) -> int:
-        return len(self._held)
+        """The blocks held, by engine hash."""
+        return len(self._keys)
 
     def apply(self, event: Event) -> list[int]:
         """Apply the event; the content keys a removal left held by no block."""
@@ -273,12 +302,16 @@ class BlockIndex:
             parent = ROOT_KEY
         elif (known := keys.get(event.parent)) is not None:
             parent = known
-        else:  # its chain began before the index did: it cannot match a request's keys
-            self.orphans += len(event.hashes)
-            return
+        else:  # its chain began before the index did: its content key cannot be known, but
+            # its engine hash can match, and vLLM stores a block only under a cached parent
+            parent = ORPHAN_KEY
+            keys[event.parent] = ORPHAN_KEY
+            held[ORPHAN_KEY] = held.get(ORPHAN_KEY, 0) + 1
         tokens, size, salts = event.token_ids, event.block_size, event.salts
         for i, block_hash in enumerate(event.hashes):
-            if salts is None:
+            if parent == ORPHAN_KEY:
+                self.orphans += 1
+            elif salts is None:
                 parent = hash((parent, tokens[i * size : (i + 1) * size]))  # chain_key's
             else:  # never a plain prompt's key, and its children chain under it
                 parent = hash((parent, tokens[i * size : (i + 1) * size], salts[i]))
@@ -288,6 +321,32 @@ class BlockIndex:
                 keys[block_hash] = parent
                 held[parent] = held.get(parent, 0) + 1
         if len(keys) > self.capacity:
+            self.resize(self.capacity)
+
+    @property
+    def partial(self) -> bool:
+        """Some blocks are held under their engine hash alone (`ORPHAN_KEY`)."""
+        return ORPHAN_KEY in self._held
+
+    def holds_hash(self, block_hash: Hashable) -> bool:
+        """The replica holds the block the engine publishes under this hash."""
+        return block_hash in self._keys
+
+    def learn(self, hashes: Sequence[Hashable], keys: Sequence[int]) -> None:
+        """A prompt's leading blocks, by engine hash and content key, found held below a block
+        the index held by its hash alone: vLLM caches a block only under its cached parents,
+        and evicts a request's blocks from its last, so those are held too. Each one the
+        index lacked, or held by hash alone, is keyed by its content from now on."""
+        own, held = self._keys, self._held
+        for block_hash, key in zip(hashes, keys, strict=True):
+            had = own.get(block_hash)
+            if had == key:
+                continue
+            if had is not None:  # ORPHAN_KEY: now known
+                self._unhold(had)
+            own[block_hash] = key
+            held[key] = held.get(key, 0) + 1
+        if len(own) > self.capacity:
             self.resize(self.capacity)
 
     def _remove(self, block_hash: Hashable) -> int | None:

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from kvgate.config import Config, KvEventsConfig
 from kvgate.fleet.block_index import Batch, BlockIndex, LazyKeys, decode_batch
+from kvgate.fleet.engine_hash import EngineMatch, engine_hashes
 from kvgate.fleet.replicas import Registry, Replica
 from kvgate.intervals import pause
 from kvgate.metrics import Metrics
@@ -83,6 +84,8 @@ class ReplicaEvents:
     """What one replica's subscriber knows, for the index's readers and /admin/replicas."""
 
     index: BlockIndex
+    # matching by the engine's own block hashes too, where the pool says how it hashes
+    engine: EngineMatch | None = None
     sequencer: Sequencer = field(default_factory=Sequencer)
     # the block keys of prompts sent there lately: cached, as far as routing is concerned,
     # before their BlockStored events arrive; (until when, keys) in the order sent
@@ -91,6 +94,12 @@ class ReplicaEvents:
 
     def holds(self, key: int) -> bool:
         return self.index.holds(key) or key in self.expected
+
+    def leading(self, prompt: LazyKeys) -> int:
+        """How many of the prompt's leading blocks the replica holds, or is about to."""
+        if self.engine is None:
+            return prompt.leading(self.holds)
+        return self.engine.leading(prompt, self.index, self.holds)
 
     def saw(self, misses: float | None) -> None:
         """The replica's cache misses as scraped now: kept as of the last batch, the first
@@ -235,6 +244,9 @@ class Subscriber:
         kinds: Counter[str] = Counter()
         orphans = state.index.orphans
         for event in batch.events:
+            if event.parent is None and event.kind == "stored" and state.engine is not None \
+                    and event.salts is None and event.hashes:  # a root block: hashed as here?
+                state.engine.check(event.hashes[0], event.token_ids[: event.block_size])
             gone = state.index.apply(event)
             if event.kind == "cleared":
                 state.forget_expected()
@@ -326,7 +338,7 @@ class KvEvents:
         if state is None or state.sequencer.last is None:
             return None
         state.forget_expected(self.clock())
-        return prompt.leading(state.holds)
+        return state.leading(prompt)
 
     def keys_for(self, token_ids: Sequence[int], block_size: int) -> LazyKeys:
         """The prompt's block keys, the same object for the same prompt as long as it is the
@@ -391,8 +403,12 @@ class KvEvents:
                 self.metrics.kv_events_resets.labels(replica_id, reason).inc()
                 state = running = None
             if state is None:
+                settings = where[2]
+                hashes = None if settings.block_hash is None else engine_hashes(
+                    settings.block_hash, settings.hash_seed)
                 state = self.states[replica_id] = ReplicaEvents(
-                    BlockIndex(replica.num_gpu_blocks or UNKNOWN_CAPACITY))
+                    BlockIndex(replica.num_gpu_blocks or UNKNOWN_CAPACITY),
+                    None if hashes is None else EngineMatch(hashes, replica_id))
             elif replica.num_gpu_blocks and state.index.capacity != replica.num_gpu_blocks:
                 state.index.resize(replica.num_gpu_blocks)  # discovery learned it since
             state.engine_started_at = started or state.engine_started_at
@@ -449,6 +465,8 @@ class KvEvents:
         age = None if state.last_event_at is None else round(self.clock() - state.last_event_at, 3)
         return {"subscribed": replica_id in self._running, "last_seq": state.sequencer.last,
                 "blocks": len(state.index), "orphan_blocks": state.index.orphans,
+                "partial": state.index.partial,
+                "engine_hashes": None if state.engine is None else state.engine.agrees,
                 "batches": state.batches, "gaps": state.gaps, "resets": state.resets,
                 "last_event_age_s": age}
 

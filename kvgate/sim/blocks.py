@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from kvgate.fleet.engine_hash import EngineHashes
 from kvgate.sim.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -26,8 +27,11 @@ from kvgate.sim.kv_events import (
     KVCacheEvent,
 )
 
-# The chain starts from a fixed seed, as vLLM's NONE_HASH (a per-process constant).
-ROOT_HASH = 0x6B76_6761_7465
+# Blocks are hashed as vLLM hashes them by default (sha256 of the pickled block, its chain
+# from NONE_HASH of vLLM's own seed), so that a gateway computes the simulator's hashes as it
+# computes a real engine's (`kvgate.fleet.engine_hash`). A hash is the digest as an int.
+_ENGINE = EngineHashes()
+ROOT_HASH = int.from_bytes(_ENGINE.none_hash, "big")
 # Hashes leave the simulator as unsigned 64-bit ids (vLLM's ExternalBlockHash of an int).
 _ID_MASK = (1 << 64) - 1
 
@@ -37,12 +41,8 @@ def external(block_hash: int) -> int:
 
 
 def chain_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """The hash of one full block: parent hash and the block's token ids.
-
-    Python's hash of a tuple of ints is deterministic across runs (no hash randomization for
-    ints), which keeps the simulator reproducible.
-    """
-    return hash((parent, tuple(token_ids)))
+    """The hash of one full block: parent hash and the block's token ids."""
+    return int.from_bytes(_ENGINE.chain(parent.to_bytes(32, "big"), token_ids), "big")
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, start: Sequence[int] = ()) -> list[int]:

@@ -104,10 +104,11 @@ def test_a_removed_block_stops_counting_and_a_hash_stored_twice_is_removed_twice
     assert len(index) == 0
 
 
-def test_a_block_whose_parent_is_unknown_is_not_guessed_and_the_index_is_bounded():
+def test_a_block_whose_parent_is_unknown_is_held_by_its_hash_alone_and_the_index_is_bounded():
     index = BlockIndex(capacity=3)
     index.apply(stored([5], [7, 7], parent=999))
-    assert (len(index), index.orphans) == (0, 1)
+    assert (len(index), index.orphans, index.partial) == (2, 1, True)  # with its parent
+    assert index.holds_hash(5) and index.holds_hash(999) and not index.holds(block_keys([7, 7], 2)[0])
     index.apply(stored([1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]))
     assert len(index) == 3 and not index.holds(block_keys([1, 2], 2)[0])  # the oldest went
     assert ROOT_KEY == 0
@@ -504,7 +505,10 @@ def test_blocks_under_a_parent_the_index_never_saw_are_counted_and_reported():
                                block_size=2, lora_id=None, medium="GPU", lora_name=None),
     ]))  # fmt: skip
     subscriber._apply(0, payload)
-    assert len(state.index) == 0 and events.describe("a")["orphan_blocks"] == 2
+    # held by their hashes alone, with the parent they were stored under: the index is partial
+    described = events.describe("a")
+    assert len(state.index) == 3 and not state.index.holds(block_keys([1, 2], 2)[0])
+    assert (described["orphan_blocks"], described["partial"]) == (2, True)
     counted = events.metrics.registry.get_sample_value(
         "kvgate_kv_index_orphan_blocks_total", {"replica": "a"})
     assert counted == 2

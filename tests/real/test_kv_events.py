@@ -1,5 +1,6 @@
-"""KV cache events from a real engine: decoded and indexed, a shared document routed to the
-replica that holds it, and an engine's restart resetting what kvgate believes it holds."""
+"""KV cache events from a real engine: decoded and indexed, its block hashes the ones kvgate
+computes, a shared document routed to the replica that holds it, and an engine's restart
+resetting what kvgate believes it holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import aiohttp
 import pytest
 
 from kvgate.fleet.block_index import block_keys
+from kvgate.fleet.engine_hash import EngineHashes
 from kvgate.tools.tiny_model import MODEL_NAME
 from tests.plugins.gateway import wait_released
 from tests.plugins.waiting import eventually
@@ -65,6 +67,15 @@ async def test_a_shared_document_goes_to_the_engine_that_holds_it_until_that_eng
                              what=f"document {document} in {holder}'s index")  # fmt: skip
             for question in ("What is clause 7?", "Who signs?", "When does it end?"):
                 assert await post(http, gw.url, chat(document, question)) == holder
+        # the engine hashes blocks as kvgate computes them (vLLM's default: sha256 of the
+        # pickled block, its own seed): a root block it stored agreed, and it holds every
+        # block of document 1's prompt under the hash kvgate gives it
+        ids = (await counter.count_chat(chat(1, "x")["messages"])).token_ids
+        assert ids is not None and events.states["a"].engine is not None
+        assert events.states["a"].engine.agrees is True
+        index = events.index("a")
+        assert index is not None
+        assert all(index.holds_hash(h) for h in EngineHashes().block_hashes(ids, 32)[:25])
         resets = resets_of(gw, "b")
 
         # b restarts: its cache is gone, and so must kvgate's belief that it holds document 2
