@@ -233,10 +233,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def benchmark_stub() -> StubUpstream:
-    """The overhead benchmark's replica: `sim-model`, room for any load and a context of 128k
-    tokens (the long-prompt cells), max_tokens tokens per answer, nothing recorded."""
+    """The overhead benchmark's replica: `sim-model`, room for any load and a context of 256k
+    tokens (its usage counts a quarter of the body's bytes, which kvgate's calibration then
+    learns: a 100k-token prompt of cl100k reads as 160k), max_tokens tokens per answer,
+    nothing recorded."""
     return StubUpstream(
-        model="sim-model", num_gpu_blocks=1_000_000, max_model_len=131_072, chunks=None,
+        model="sim-model", num_gpu_blocks=1_000_000, max_model_len=262_144, chunks=None,
         prompt_tokens=None,
         record=False, load_gauges=False,
     )
