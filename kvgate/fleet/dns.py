@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping
 
 from kvgate.config import CurrentConfig, DnsConfig, PoolConfig, ReplicaConfig
-from kvgate.fleet.replicas import Registry
+from kvgate.fleet.replicas import Registry, find
 from kvgate.intervals import pause
 
 log = logging.getLogger(__name__)
@@ -43,17 +43,12 @@ async def resolve_pools(
 ) -> None:
     """One round: every pool with a DNS name, resolved at once."""
     named = {name: pool.dns for name, pool in pools.items() if pool.dns is not None}
-    answers = await asyncio.gather(
-        *(resolver(dns.name, dns.port) for dns in named.values()), return_exceptions=True
-    )
-    for (pool, dns), answer in zip(named.items(), answers, strict=True):
-        if isinstance(answer, BaseException):
-            if isinstance(answer, asyncio.CancelledError):
-                raise answer
-            log.warning("pool %s: cannot resolve %s (keeping the last answer): %s",
-                        pool, dns.name, answer)
-            continue
-        registry.found(pool, replica_configs(dns, answer))
+
+    async def read(dns: DnsConfig) -> list[ReplicaConfig]:
+        return replica_configs(dns, await resolver(dns.name, dns.port))
+
+    await find(registry, {pool: read(dns) for pool, dns in named.items()},
+               {pool: dns.name for pool, dns in named.items()})  # fmt: skip
 
 
 async def dns_loop(

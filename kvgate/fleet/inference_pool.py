@@ -28,7 +28,7 @@ import aiohttp
 
 from kvgate.config import CurrentConfig, InferencePoolConfig, PoolConfig, ReplicaConfig
 from kvgate.config.schema import SERVICE_ACCOUNT
-from kvgate.fleet.replicas import Registry
+from kvgate.fleet.replicas import Registry, find
 from kvgate.intervals import pause
 
 log = logging.getLogger(__name__)
@@ -177,17 +177,8 @@ Reader = Callable[[str, InferencePoolConfig], Awaitable[list[ReplicaConfig]]]
 async def read_pools(registry: Registry, pools: Mapping[str, PoolConfig], read: Reader) -> None:
     """One round: every pool fed by an InferencePool, read at once."""
     named = {name: p.inference_pool for name, p in pools.items() if p.inference_pool is not None}
-    answers = await asyncio.gather(
-        *(read(name, source) for name, source in named.items()), return_exceptions=True
-    )
-    for (pool, source), answer in zip(named.items(), answers, strict=True):
-        if isinstance(answer, BaseException):
-            if isinstance(answer, asyncio.CancelledError):
-                raise answer
-            log.warning("pool %s: cannot read InferencePool %s (keeping the last answer): %s",
-                        pool, source.name, answer or type(answer).__name__)
-            continue
-        registry.found(pool, answer)
+    await find(registry, {pool: read(pool, source) for pool, source in named.items()},
+               {pool: f"InferencePool {source.name}" for pool, source in named.items()})  # fmt: skip
 
 
 async def inference_pools_loop(registry: Registry, current: CurrentConfig) -> None:

@@ -8,10 +8,20 @@ Discovery (`kvgate.fleet.discovery`) keeps each replica's health, models and scr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 
 from yarl import URL
@@ -200,3 +210,21 @@ class Registry:
                 known = out.get(model)
                 out[model] = length if known is None else min(known, length or known)
         return out
+
+
+async def find(
+    registry: Registry, reads: Mapping[str, Awaitable[list[ReplicaConfig]]],
+    sources: Mapping[str, str],
+) -> None:
+    """One round of a source of found replicas (DNS, an InferencePool): every pool's read at
+    once, each pool given what its read found; a read that fails keeps the pool's last
+    answer (a blip must not empty a pool), and says why, naming its source."""
+    answers = await asyncio.gather(*reads.values(), return_exceptions=True)
+    for pool, answer in zip(reads, answers, strict=True):
+        if isinstance(answer, BaseException):
+            if isinstance(answer, asyncio.CancelledError):
+                raise answer
+            log.warning("pool %s: cannot read %s (keeping the last answer): %s",
+                        pool, sources[pool], answer or type(answer).__name__)
+            continue
+        registry.found(pool, answer)
