@@ -7,9 +7,11 @@ each event a BlockStored of one 16-token block chained from the last, with now a
 BlockRemoved of an old one, as a replica under load stores and evicts. This process runs one
 `Subscriber` into a `BlockIndex` and measures its own CPU time (`time.process_time`) over
 `--seconds`; the figure is that over wall time, in % of one core, beside how many events it
-applied (all of them, or it fell behind).
+applied (all of them, or it fell behind). `--layout arrays` publishes each event as an array
+led by its tag, as vLLM 0.10 (which deploy/k8s pins) did; `maps` (default) as tagged maps, as
+vLLM does today.
 
-    .venv/bin/python bench/kv_events.py [--rate 10000] [--batch 20] [--seconds 10]
+    .venv/bin/python bench/kv_events.py [--rate 10000] [--batch 20] [--seconds 10] [--layout maps]
 """
 
 from __future__ import annotations
@@ -21,21 +23,40 @@ import multiprocessing
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvgate.config import KvEventsConfig
-from kvgate.fleet.block_index import BlockIndex
+from kvgate.fleet.block_index import FIELDS, BlockIndex
 from kvgate.fleet.kv_events import ReplicaEvents, Subscriber
 from kvgate.metrics import Metrics
 from kvgate.sim import kv_events as sim_events
 
 
-def publish(endpoints: multiprocessing.Queue, rate: int, batch: int, seconds: float) -> None:  # type: ignore[type-arg]
+def as_arrays(batch: sim_events.KVEventBatch) -> bytes:
+    """A batch as vLLM 0.10 encoded it: each event an array led by its tag, trailing defaults
+    left out."""
+    events = []
+    for event in batch.events:
+        tag = type(event).__name__
+        values = [getattr(event, name, None) for name in FIELDS[tag]]
+        while values and values[-1] is None:
+            values.pop()
+        events.append([tag, *values])
+    return msgspec.msgpack.encode([batch.ts, events, batch.data_parallel_rank])
+
+
+def publish(endpoints: multiprocessing.Queue, rate: int, batch: int, seconds: float,  # type: ignore[type-arg]
+            layout: str) -> None:  # fmt: skip
     async def run() -> None:
         config = sim_events.KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0",
                                            replay_endpoint="tcp://*:0", topic="kv")
         publisher = sim_events.Publisher(config)
+        if layout == "arrays":
+            publisher._encode = as_arrays  # the simulator publishes maps
         await publisher.open()
         endpoints.put(publisher.bound)
         await asyncio.sleep(1.0)  # the subscriber connects
@@ -61,9 +82,10 @@ def publish(endpoints: multiprocessing.Queue, rate: int, batch: int, seconds: fl
     asyncio.run(run())
 
 
-async def measure(rate: int, batch: int, seconds: float) -> dict[str, float]:
+async def measure(rate: int, batch: int, seconds: float, layout: str) -> dict[str, Any]:
     endpoints: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
-    process = multiprocessing.Process(target=publish, args=(endpoints, rate, batch, seconds))
+    process = multiprocessing.Process(target=publish,
+                                      args=(endpoints, rate, batch, seconds, layout))
     process.start()
     bound = await asyncio.to_thread(endpoints.get, True, 30)
     state = ReplicaEvents(BlockIndex(1_000_000))
@@ -80,7 +102,7 @@ async def measure(rate: int, batch: int, seconds: float) -> dict[str, float]:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     process.join(timeout=10)
-    return {"rate": rate, "batch": batch, "seconds": round(wall, 2),
+    return {"layout": layout, "rate": rate, "batch": batch, "seconds": round(wall, 2),
             "events_per_s": round(batches * batch / wall), "cpu_percent_of_core": round(100 * cpu / wall, 2),
             "index_blocks": len(state.index), "gaps": state.gaps}
 
@@ -90,8 +112,9 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10_000)
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--layout", choices=("maps", "arrays"), default="maps")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(measure(args.rate, args.batch, args.seconds))))
+    print(json.dumps(asyncio.run(measure(args.rate, args.batch, args.seconds, args.layout))))
 
 
 if __name__ == "__main__":

@@ -157,18 +157,45 @@ class _Batch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-_decode_current = msgspec.msgpack.Decoder(_Batch).decode
+class _StoredArray(_Stored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _RemovedArray(_Removed, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ClearedArray(_Cleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _BatchOfArrays(msgspec.Struct, array_like=True):
+    """Earlier vLLM's encoding (0.10, which deploy/k8s pins): each event an array led by its
+    tag, its trailing defaults left out."""
+
+    ts: float
+    events: list[_StoredArray | _RemovedArray | _ClearedArray]
+    data_parallel_rank: int | None = None
+
+
+# Both layouts decode typed, in C: most of what the subscriber costs. Each stream keeps to
+# one, so the other's decoder fails at its first event, cheaply.
+_DECODERS = (msgspec.msgpack.Decoder(_Batch).decode, msgspec.msgpack.Decoder(_BatchOfArrays).decode)
 
 
 def decode_batch(payload: bytes) -> Batch:
     """One published batch: an array (ts, events[, data_parallel_rank]) or a map, its events
     as tagged maps or as arrays led by their tag. Raises ValueError on anything else."""
-    try:  # vLLM's encoding, decoded typed (in C): most of what the subscriber costs
-        batch = _decode_current(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    for decode in _DECODERS:
+        try:
+            batch: _Batch | _BatchOfArrays = decode(payload)
+            break
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    else:
         return _decode_any(payload)
     events = []
-    for item in batch.events:
+    for item in batch.events:  # the array structs are the map structs' subclasses
         if isinstance(item, _Stored):
             if item.block_size < 1 or len(item.token_ids) != item.block_size * len(
                 item.block_hashes
