@@ -223,6 +223,8 @@ def _salts(lora: Any, extra_keys: Any, blocks: int) -> tuple[Hashable, ...] | No
     """Per block, what vLLM hashed it with besides its tokens (its adapter, and the block's
     extra keys: one per block, as vLLM sends them, else the whole list for each); None where
     every block is plain."""
+    if lora is None and not extra_keys:  # nearly every block: decided without a list
+        return None
     if isinstance(extra_keys, list) and len(extra_keys) == blocks:
         keys = extra_keys
     else:
