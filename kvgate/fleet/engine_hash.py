@@ -91,7 +91,7 @@ def engine_hashes(algorithm: Algorithm, seed: str) -> EngineHashes:
 
 # How far past its leading held blocks a prompt is hashed, looking for a block held by its
 # engine hash alone (a replica's index that began after the prompt's prefix was cached):
-# 4,096 tokens at vLLM's block size of 16, some 0.5 ms of hashing, and only while the index
+# 4,096 tokens at vLLM's block size of 16, about 0.3 ms of hashing, and only while the index
 # holds such blocks.
 SCAN_BLOCKS = 256
 
