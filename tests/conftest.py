@@ -16,6 +16,7 @@ pytest_plugins = [
     "tests.plugins.sim",
     "tests.plugins.gateway",
     "tests.plugins.envoy",
+    "tests.plugins.processes",
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]
@@ -23,8 +24,8 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]
 if not os.environ.get("KVGATE_REAL_VLLM"):
     collect_ignore.append("real")
 
-# Fixtures that start a kvgate process: a test that uses one is `slow`.
-PROCESS_FIXTURES = {"start_kvgate"}
+# Fixtures that start a process (kvgate, Envoy): a test that uses one is `slow`.
+PROCESS_FIXTURES = {"start_kvgate", "envoy_factory"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

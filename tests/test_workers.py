@@ -12,8 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.commands.serve import workers_refusal
 from kvgate.workers import default_workers, merge
 from tests.plugins.gateway import gateway_config
-from tests.test_cli_serve import chat, free_port, wait_ready
-from tests.test_cli_serve import start_kvgate as start_kvgate  # the fixture
+from tests.plugins.processes import chat, free_port, wait_ready
 
 EXPOSITION = """# HELP kvgate_requests_total Requests finished.
 # TYPE kvgate_requests_total counter

@@ -12,8 +12,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_cli_serve import chat, free_port, wait_ready
-from tests.test_cli_serve import start_kvgate as start_kvgate  # the fixture
+from tests.plugins.processes import chat, free_port, wait_ready
 
 TOKEN = "admin-token-for-workers"
 

@@ -14,7 +14,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 
 from kvgate.fleet.engine_hash import DEFAULT_SEED, EngineHashes
-from tests.sim.test_kv_events import PROMPT, SIM, complete, replay, tokens
+from tests.plugins.kv_events import PROMPT, SIM, complete, replay, tokens
 
 
 async def test_the_simulators_stream_decodes_with_vllms_own_classes(sim_factory):

@@ -26,8 +26,7 @@ from kvgate.fleet.engine_hash import (
 from kvgate.fleet.kv_events import KvEvents
 from kvgate.fleet.replicas import Replica
 from kvgate.metrics import Metrics
-from tests.fleet.test_kv_events import caught_up, joined
-from tests.sim.test_kv_events import SIM, complete, tokens
+from tests.plugins.kv_events import SIM, caught_up, complete, joined, tokens
 
 SIZE = 4
 

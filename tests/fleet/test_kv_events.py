@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -35,8 +34,8 @@ from kvgate.fleet.scrape import Scrape
 from kvgate.metrics import Metrics
 from kvgate.sim import kv_events as sim_events
 from kvgate.sim.server import SimReplica
+from tests.plugins.kv_events import PROMPT, SIM, caught_up, complete, joined, replay, tokens
 from tests.plugins.waiting import eventually
-from tests.sim.test_kv_events import PROMPT, SIM, complete, replay, tokens
 
 SETTINGS = KvEventsConfig(replay_timeout_s=2.0)
 
@@ -214,35 +213,6 @@ def rebuilt(batches: list[tuple[int, Any]], capacity: int) -> BlockIndex:
         for event in decode_batch(payload).events:
             index.apply(event)
     return index
-
-
-async def joined(
-    http: aiohttp.ClientSession, replica: SimReplica, state: ReplicaEvents,
-    publish: Callable[[], Awaitable[object]] | None = None,
-) -> None:
-    """Until the subscriber hears the replica, publishing a batch at each try: by default an
-    empty cache's reset (an AllBlocksCleared, and nothing else changes). A SUB socket that has
-    just connected loses what is published before its subscription reaches the publisher
-    (ZMQ's slow joiner), and a test whose traffic all came before then would wait for a
-    batch that never follows."""
-    async def reset() -> None:
-        async with http.post(f"{replica.url}/reset_prefix_cache") as response:
-            assert (await response.json())["success"]
-
-    async def heard() -> bool:
-        if state.sequencer.last is None:
-            await (publish or reset)()
-        return state.sequencer.last is not None
-
-    await eventually(heard, what="the subscriber heard the replica", interval_s=0.05)
-
-
-async def caught_up(replica: SimReplica, state: ReplicaEvents) -> None:
-    async def done() -> bool:
-        batches = await replay(replica)
-        return bool(batches) and state.sequencer.last == batches[-1][0]
-
-    await eventually(done, what="the subscriber caught up")
 
 
 async def test_the_index_follows_what_the_replica_stores_and_evicts(sim_factory):

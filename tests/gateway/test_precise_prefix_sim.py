@@ -14,8 +14,8 @@ import aiohttp
 from kvgate.fleet.block_index import block_keys
 from kvgate.sim.server import SimReplica
 from tests.plugins.gateway import gateway_config
+from tests.plugins.kv_events import EVENTS
 from tests.plugins.waiting import eventually
-from tests.sim.test_kv_events import EVENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = {"time_scale": 0.001, "num_gpu_blocks": 512, "max_model_len": 2048,

@@ -22,7 +22,7 @@ import aiohttp
 from kvgate.sim.server import SimReplica
 from tests.gateway.test_precise_prefix_sim import ROOT, SYSTEM
 from tests.plugins.gateway import gateway_config
-from tests.sim.test_kv_events import EVENTS
+from tests.plugins.kv_events import EVENTS
 
 SIM = {"time_scale": 0.3, "num_gpu_blocks": 1024, "max_model_len": 4096, "max_num_seqs": 64,
        "kv_events_config": EVENTS}

@@ -5,63 +5,21 @@ stream with vLLM's own classes and compares the events with vLLM's scheduler ste
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from kvgate.sim.config import SimConfig
-from kvgate.sim.server import SimReplica
-from tests.sim.helpers import ok
-
-EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-                     "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"})
-SIM = {"time_scale": 0.001, "num_gpu_blocks": 64, "max_model_len": 512,
-       "kv_events_config": EVENTS}
-
-
-async def replay(replica: SimReplica, start: int = 0, raw: bool = False) -> list[tuple[int, Any]]:
-    """Every batch the replica still buffers from `start`, up to the end marker: decoded, or
-    as the bytes that came (`raw`)."""
-    assert replica.kv_events_endpoints is not None
-    socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(replica.kv_events_endpoints["replay_endpoint"])
-    try:
-        await socket.send_multipart((b"", start.to_bytes(8, "big")))
-        batches = []
-        while True:
-            async with asyncio.timeout(5):
-                _, topic, seq, payload = await socket.recv_multipart()
-            number = int.from_bytes(seq, "big", signed=True)
-            if number == -1:
-                assert (topic, payload) == (b"", b"")
-                return batches
-            assert topic == b"kv"
-            batches.append((number, payload if raw else msgspec.msgpack.decode(payload)))
-    finally:
-        socket.close()
+from tests.plugins.kv_events import PROMPT, SIM, complete, replay, tokens
 
 
 def events(batches: list[tuple[int, Any]]) -> list[dict[str, Any]]:
     return [event for _, (ts, batch, rank) in batches for event in batch]
 
 
-async def complete(http: aiohttp.ClientSession, replica: SimReplica, prompt: str) -> None:
-    await ok(http, replica, "/v1/completions",
-             {"model": "sim-model", "prompt": prompt, "max_tokens": 1})  # fmt: skip
-
-
-async def tokens(http: aiohttp.ClientSession, replica: SimReplica, prompt: str) -> list[int]:
-    return (await ok(http, replica, "/tokenize", {"model": "sim-model", "prompt": prompt}))["tokens"]
-
-
-PROMPT = " ".join(f"word{i}" for i in range(60))
 
 
 async def test_a_prompt_is_published_as_the_blocks_it_filled_with_their_tokens(
