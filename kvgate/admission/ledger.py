@@ -260,12 +260,19 @@ class Ledger:
     async def refresh(self, replica_id: str) -> None:
         """Read the replica's ledger (every instance's blocks) from the store into `reserved`,
         unless one of this instance's changes there was on its way to the store meanwhile."""
+        held = await self.quiet_read(replica_id)
+        if held is not None:
+            self.reserved[replica_id] = held
+
+    async def quiet_read(self, replica_id: str) -> int | None:
+        """The replica's ledger as the store holds it, read while none of this instance's
+        changes there was on its way (none under way, none begun meanwhile: the read
+        suspends); None where the moment was not quiet."""
         if self._unsettled.get(replica_id, 0):
-            return
+            return None
         before = self._changes.get(replica_id, 0)
         held = await self.store.held(ledger_key(replica_id))
-        if self._changes.get(replica_id, 0) == before:
-            self.reserved[replica_id] = held
+        return held if self._changes.get(replica_id, 0) == before else None
 
     def forget(self, keep: set[str]) -> None:
         """Drop the figures of replicas no longer in the fleet (but not the count of changes

@@ -122,14 +122,10 @@ async def test_the_ledger_holds_each_live_block_once_while_requests_come_and_go_
         return sum(slot.blocks for slot in live) + len(shared)
 
     async def quiet_read() -> int | None:
-        """The store's figure, read while no change of ours was on its way there (and none
-        began meanwhile: the read suspends on Redis), checked against the books; None if
-        the moment was not quiet."""
-        changes = ledger._changes.get(r.id, 0)
-        if ledger._unsettled.get(r.id):
-            return None
-        held = await h.held(r)
-        if ledger._unsettled.get(r.id) or ledger._changes.get(r.id, 0) != changes:
+        """The store's figure, read while no change of ours was on its way there, checked
+        against the books; None if the moment was not quiet."""
+        held = await ledger.quiet_read(r.id)
+        if held is None:
             return None
         assert held == expected() == h.admission.reserved.get(r.id, 0)
         return held
