@@ -30,6 +30,7 @@ import redis
 from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
+from kvgate.state.resilient import ResilientStore
 from tests.plugins.clock import ManualClock, ManualStoreTime, RealStoreTime, StoreTime
 
 _STARTUP_TIMEOUT_S = 10.0
@@ -136,7 +137,20 @@ async def redis_store(redis_url: str, key_prefix: str) -> AsyncIterator[RedisSto
     await store.close()
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture
+async def resilient_store(
+    redis_store: RedisStore, memory_clock: ManualClock
+) -> AsyncIterator[ResilientStore]:
+    """Redis with a memory store to fall back on, as kvgate runs it with Redis: while Redis
+    answers, the contract is kept through the wrapper."""
+    fallback = MemoryStore(clock=memory_clock)
+    store = ResilientStore(redis_store, fallback, "fail_open")
+    yield store
+    await fallback.close()
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("resilient", marks=pytest.mark.redis)])
 def store(request: pytest.FixtureRequest) -> StateStore:
     """Each StateStore implementation in turn, for the contract suite."""
     implementation: StateStore = request.getfixturevalue(f"{request.param}_store")
