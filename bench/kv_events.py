@@ -30,8 +30,9 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvgate.config import KvEventsConfig
-from kvgate.fleet.block_index import FIELDS, BlockIndex
+from kvgate.fleet.block_index import BlockIndex
 from kvgate.fleet.kv_events import ReplicaEvents, Subscriber
+from kvgate.fleet.kv_wire import FIELDS
 from kvgate.metrics import Metrics
 from kvgate.sim import kv_events as sim_events
 

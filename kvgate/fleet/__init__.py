@@ -10,4 +10,8 @@ of them that routing, admission, the gauges and the admin view all read.
     drain.py      drain, fleet-wide, through the state store
     snapshot.py   the immutable picture of the fleet at one moment
     view.py       the one place that picture is taken, from the replicas, circuits and ledger
+    kv_events.py  each replica's KV cache events, subscribed: its block index kept true
+    kv_wire.py    those events decoded, in either layout vLLM publishes
+    block_index.py  one replica's cached blocks, by content and by the engine's hash
+    engine_hash.py  vLLM's own block hashes, computed from a prompt's tokens
 """

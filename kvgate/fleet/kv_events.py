@@ -32,8 +32,9 @@ import zmq
 import zmq.asyncio
 
 from kvgate.config import Config, KvEventsConfig
-from kvgate.fleet.block_index import Batch, BlockIndex, LazyKeys, decode_batch
+from kvgate.fleet.block_index import BlockIndex, LazyKeys
 from kvgate.fleet.engine_hash import EngineMatch, engine_hashes
+from kvgate.fleet.kv_wire import Batch, decode_batch
 from kvgate.fleet.replicas import Registry, Replica
 from kvgate.intervals import pause
 from kvgate.metrics import Metrics

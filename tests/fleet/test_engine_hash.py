@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvgate.config import KvEventsEndpoints, ReplicaConfig, parse_config
-from kvgate.fleet.block_index import BlockIndex, Event, LazyKeys, block_keys
+from kvgate.fleet.block_index import BlockIndex, LazyKeys, block_keys
 from kvgate.fleet.engine_hash import (
     DEFAULT_SEED,
     SCAN_BLOCKS,
@@ -24,6 +24,7 @@ from kvgate.fleet.engine_hash import (
     published,
 )
 from kvgate.fleet.kv_events import KvEvents
+from kvgate.fleet.kv_wire import Event
 from kvgate.fleet.replicas import Replica
 from kvgate.metrics import Metrics
 from tests.plugins.kv_events import SIM, caught_up, complete, joined, tokens

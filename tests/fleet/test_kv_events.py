@@ -14,14 +14,7 @@ import msgspec
 import pytest
 
 from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
-from kvgate.fleet.block_index import (
-    ROOT_KEY,
-    BlockIndex,
-    Event,
-    block_keys,
-    chain_key,
-    decode_batch,
-)
+from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, block_keys, chain_key
 from kvgate.fleet.kv_events import (
     KvEvents,
     ReplicaEvents,
@@ -29,6 +22,7 @@ from kvgate.fleet.kv_events import (
     Subscriber,
     endpoints_of,
 )
+from kvgate.fleet.kv_wire import Event, decode_batch
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
 from kvgate.metrics import Metrics

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.block_index import BlockIndex, Event
+from kvgate.fleet.block_index import BlockIndex
 from kvgate.fleet.kv_events import KvEvents, ReplicaEvents
+from kvgate.fleet.kv_wire import Event
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
 from kvgate.routing.plugins.prefix_affinity import PrefixAffinity, hash_order, preferred
