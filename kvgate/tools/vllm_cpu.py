@@ -193,9 +193,16 @@ class Engine:
                 await asyncio.sleep(0.5)
 
     def log_tail(self, lines: int = 40) -> str:
+        """The engine's last lines, after its first error where that came earlier: an engine
+        core that fails to start says why there, and its API server only that it failed."""
         if self.log_path is None or not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        text = self.log_path.read_text(errors="replace").splitlines()
+        first = next((i for i, line in enumerate(text)
+                      if line.startswith("Traceback") or " ERROR " in line), None)  # fmt: skip
+        if first is None or first >= len(text) - lines:
+            return "\n".join(text[-lines:])
+        return "\n".join([*text[first : first + lines], "...", *text[-lines:]])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to its whole session, then SIGKILL after `grace_s`: no worker outlives it."""

@@ -46,3 +46,18 @@ def test_serve_pins_each_engine_to_a_core_unless_told_not_to():
     assert all(s.num_blocks == 128 and s.kv_events for s in specs) and model_dir is None
     specs, _ = parse_args(["--unpinned"])
     assert [s.cpus for s in specs] == [None]
+
+
+def test_an_engine_that_failed_to_start_says_why_before_its_last_lines(tmp_path: Path):
+    """The engine core's own error comes long before the API server's last words."""
+    engine = Engine(EngineSpec(), tmp_path)
+    engine.log_path = tmp_path / "engine.log"
+    cause = ["(EngineCore pid=7) ERROR 12-07 16:47:01 [core.py:1] EngineCore failed to start.",
+             "Traceback (most recent call last):", "OSError: [Errno 98] Address in use"]
+    noise = [f"  File 'frame{i}.py', line {i}" for i in range(100)]
+    engine.log_path.write_text("\n".join(["INFO starting", *cause, *noise,
+                                           "RuntimeError: Engine core initialization failed"]))
+    told = engine.log_tail()
+    assert "Address in use" in told and told.endswith("Engine core initialization failed")
+    engine.log_path.write_text("INFO one\nINFO two")  # nothing failed: just its last lines
+    assert engine.log_tail() == "INFO one\nINFO two"
