@@ -38,7 +38,6 @@ from kvgate.epp.stream import (
     headers_reply,
     metadata_struct,
     served_of,
-    streamed_replies,
     unchanged,
 )
 from kvgate.errors import UpstreamError, UpstreamTimeout
@@ -125,8 +124,7 @@ class EnvoyRequest:
         await stream.answer(self.pick(request, "request_headers"))
         if not self.bodyless:
             trailers = stream.trailers
-            for chunk in streamed_replies("request_body", request.body, trailers is None):
-                await stream.send(chunk)
+            await stream.send_streamed("request_body", request.body, trailers is None)
             if trailers is not None:
                 await stream.send(unchanged(trailers))
 
@@ -215,8 +213,7 @@ class EnvoyRequest:
             error = judge_whole(answer, await self.whole_body(answer))
             body = orjson.dumps(error)
             await self.answer_headers(headers)
-            for reply in streamed_replies("response_body", body, True):
-                await self.stream.send(reply)
+            await self.stream.send_streamed("response_body", body, True)
             self.ended = self.finished = True
             return
         await self.answer_headers(headers, buffer=True)
@@ -298,8 +295,8 @@ class EnvoyRequest:
         if pending is None or stream.context.done():
             return
         if pending.WhichOneof("request") == "response_trailers":  # the body is over: then they go
-            for reply in streamed_replies("response_body", out, False) if out else ():
-                await stream.send(reply)
+            if out:
+                await stream.send_streamed("response_body", out, False)
             await stream.answer(unchanged(pending))
             return
         await stream.answer_streamed("response_body", out, pending.response_body.end_of_stream)

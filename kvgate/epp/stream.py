@@ -123,6 +123,12 @@ class EnvoyStream:
         """A message of its own: in full duplex, what answers no message in particular."""
         await self.context.write(response)
 
+    async def send_streamed(self, phase: str, body: bytes, end_of_stream: bool) -> None:
+        """Full duplex: `body` sent back of kvgate's own accord, in as many chunks as it takes,
+        the last one ending the body where `end_of_stream`."""
+        for reply in streamed_replies(phase, body, end_of_stream):
+            await self.send(reply)
+
     async def answer_streamed(self, phase: str, body: bytes, end_of_stream: bool) -> None:
         """Full duplex: answer the pending body chunk with `body`, in as many chunks as it
         takes, the last one ending the body where `end_of_stream`."""

@@ -23,6 +23,8 @@ from multidict import CIMultiDict
 
 from kvgate.config import TimeoutsConfig
 from kvgate.fleet.replicas import Replica
+from kvgate.request.parsed import MODEL_REWRITE
+from kvgate.tenants import FAIRNESS_ID, OBJECTIVE
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -34,8 +36,7 @@ HOP_BY_HOP = frozenset(
 )
 # Client headers that only concern kvgate and are never sent on (the Inference Extension's
 # request control headers among them, as its picker strips them).
-PRIVATE = frozenset({"x-tenant-id", "x-gateway-inference-objective",
-                     "x-gateway-inference-fairness-id", "x-gateway-model-name-rewrite"})
+PRIVATE = frozenset({"x-tenant-id", OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE})
 
 
 @dataclass(frozen=True, slots=True)
