@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvgate.config import KvEventsConfig
 from kvgate.fleet.block_index import BlockIndex
-from kvgate.fleet.kv_events import ReplicaEvents, Subscriber
+from kvgate.fleet.kv_subscriber import ReplicaEvents, Subscriber
 from kvgate.fleet.kv_wire import FIELDS
 from kvgate.metrics import Metrics
 from kvgate.sim import kv_events as sim_events

@@ -242,7 +242,9 @@ class Gateway:
         replica.inflight[x.info.key] = Writing(
             x.slot.progress, demand.shared_keys(replica.kv_block_size)
         )
-        self.kv_events.expect(replica.id, x.route.token_ids, replica.kv_block_size)
+        token_ids, block_size = x.route.token_ids, replica.kv_block_size
+        attempt.rank = self.kv_events.rank_for(replica.id, token_ids, block_size)
+        self.kv_events.expect(replica.id, token_ids, block_size, attempt.rank)
         try:
             x.response = await plane.transport.send(self.upstream_request(x))
             return await plane.deliver(
@@ -256,7 +258,7 @@ class Gateway:
         replica, rt = x.slot.replica, x.rt
         headers = upstream_headers(
             x.headers, x.info.request_id, replica,
-            drop_authorization=rt.config.auth.mode != "none",
+            drop_authorization=rt.config.auth.mode != "none", rank=x.attempt.rank,
         )
         return UpstreamRequest(
             replica, x.parsed.endpoint.value, x.payload, headers, rt.config.timeouts,

@@ -12,11 +12,11 @@ import pytest
 
 pytest_plugins = [
     "tests.plugins.blocking",
+    "tests.plugins.processes",  # imported by the two below: registered first
     "tests.plugins.redis_server",
     "tests.plugins.sim",
     "tests.plugins.gateway",
     "tests.plugins.envoy",
-    "tests.plugins.processes",
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["conformance"]

@@ -128,7 +128,8 @@ class UpstreamConfig(Section):
 
 class KvEventsEndpoints(Section):
     """Where one replica publishes vLLM's KV cache events (its `--kv-events-config`
-    `endpoint` and `replay_endpoint`, with the replica's address for `*`)."""
+    `endpoint` and `replay_endpoint`, with the replica's address for `*`; a data-parallel
+    rank k publishes at these ports + k, as vLLM offsets them)."""
 
     endpoint: str = Field(pattern=r"^tcp://[^:/]+:\d+$")
     replay_endpoint: str | None = Field(None, pattern=r"^tcp://[^:/]+:\d+$")
@@ -139,7 +140,8 @@ class KvEventsConfig(Section):
     '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
     "replay_endpoint": "tcp://*:5558", "topic": "kv"}'`): an index of the blocks each replica
     holds. A replica's endpoints are its URL's host at `port` and `replay_port`, unless the
-    replica names its own."""
+    replica names its own; each of its data-parallel ranks (the engines its /metrics names)
+    at those ports + the rank."""
 
     port: int = Field(5557, ge=1, le=65535)
     replay_port: int | None = Field(5558, ge=1, le=65535)

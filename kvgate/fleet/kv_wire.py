@@ -26,6 +26,15 @@ INDEXED_MEDIA = (None, "GPU")
 INDEXED_GROUPS = (None, 0)
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank `rank` publishes (or serves replays) when `endpoint` is
+    configured: at its port + the rank, vLLM's convention (port 0, any free port, stays 0)."""
+    base, _, port = endpoint.rpartition(":")
+    if rank == 0 or not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{base}:{int(port) + rank}"
+
+
 class Event(NamedTuple):
     """`elsewhere`: blocks of another tier or KV cache group (not indexed). `salts`: per
     block, what besides its tokens vLLM hashed it with (a LoRA adapter, a cache salt,

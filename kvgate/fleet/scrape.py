@@ -60,6 +60,8 @@ class Scrape:
     # when its engine's counters began (their `_created`, the latest over its engines): a
     # new value is a restarted engine, whatever its other figures say
     started_at: float | None = None
+    # its data-parallel engines (the `engine` label: their ranks), where the series say
+    engines: tuple[int, ...] = ()
 
 
 class DecodeClock:
@@ -149,6 +151,7 @@ def parse_vllm_metrics(text: str, at: float) -> Scrape:
     usage: list[float] = []
     blocks = 0
     block_size = None
+    engines: set[int] = set()
     for family in text_string_to_metric_families(read_lines(text)):
         if family.name == _INFO:
             for sample in family.samples:
@@ -168,12 +171,16 @@ def parse_vllm_metrics(text: str, at: float) -> Scrape:
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
+            engine = sample.labels.get("engine", "")
+            if engine.isdigit():
+                engines.add(int(engine))
             if kind == "kv_usage":
                 usage.append(sample.value)
             else:
                 sums[kind] = sums.get(kind, 0.0) + sample.value
     scrape.num_gpu_blocks = blocks or None
     scrape.block_size = block_size
+    scrape.engines = tuple(sorted(engines))
     scrape.kv_usage = sum(usage) / len(usage) if usage else None
     for kind, value in sums.items():
         setattr(scrape, kind, value)

@@ -46,6 +46,8 @@ CONFIG_FLAGS: dict[str, tuple[type, str]] = {
     "api_key": (str, "require 'Authorization: Bearer KEY' on /v1 paths"),
     "kv_events_config": (str, "publish KV cache events, as vLLM's --kv-events-config JSON "
                          "(endpoint tcp://*:0 picks a free port)"),
+    "data_parallel_rank": (int, "serve as this data-parallel rank: its `engine` label, and KV "
+                           "events at the endpoints' ports + the rank (0)"),
 }
 FAULT_FLAGS: dict[str, tuple[type, str]] = {
     "latency_s": (float, "seconds to wait before answering each /v1 request"),

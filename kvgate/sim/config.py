@@ -64,6 +64,10 @@ class SimConfig:
     api_key: str | None = None
     # vLLM's --kv-events-config, as JSON: publish what the prefix cache stores and evicts
     kv_events_config: str | None = None
+    # vLLM's --data-parallel-rank, as one rank of an externally balanced data-parallel
+    # deployment serves: its series carry `engine` = the rank, and its KV events are published
+    # at the configured ports + the rank, each batch marked with it
+    data_parallel_rank: int = 0
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
@@ -99,6 +103,8 @@ class SimConfig:
 
     def _validate(self) -> None:
         self.kv_events  # noqa: B018 (raises ValueError naming what is wrong)
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank: must be >= 0, got {self.data_parallel_rank}")
         positive = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

@@ -30,6 +30,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvgate.fleet.kv_wire import rank_endpoint
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 BIND_ATTEMPTS = 100
 MEDIUM_GPU = "GPU"
@@ -107,10 +109,11 @@ def _bind_address(endpoint: str) -> str:
 
 class Publisher:
     """The PUB socket, the replay buffer and the ROUTER socket that serves it. One per engine
-    run: a restarted engine publishes from sequence number 0 again, on the same ports."""
+    run: a restarted engine publishes from sequence number 0 again, on the same ports. A
+    data-parallel rank publishes at the configured ports + its rank, as vLLM's does."""
 
-    def __init__(self, config: KVEventsConfig) -> None:
-        self.config = config
+    def __init__(self, config: KVEventsConfig, rank: int = 0) -> None:
+        self.config, self.rank = config, rank
         self._ctx = zmq.asyncio.Context.instance()
         # PUB is a plain socket: a send never blocks (past its high-water mark it drops), and
         # an asyncio socket's send would leave a future per batch that nobody awaits
@@ -131,13 +134,15 @@ class Publisher:
         self._pub = zmq.Context.instance().socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = await self._bind(self._pub, previous.get("endpoint", config.endpoint))
+        self.endpoint = await self._bind(
+            self._pub, previous.get("endpoint", rank_endpoint(config.endpoint, self.rank)))
         if config.replay_endpoint is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             self._router.setsockopt(zmq.LINGER, 0)
             self.replay_endpoint = await self._bind(
-                self._router, previous.get("replay_endpoint", config.replay_endpoint)
+                self._router,
+                previous.get("replay_endpoint", rank_endpoint(config.replay_endpoint, self.rank)),
             )
             self._replays = asyncio.get_running_loop().create_task(
                 self._serve_replays(), name="sim-kv-events-replay"
@@ -178,9 +183,9 @@ class Publisher:
         if not events or self._pub is None:
             return
         seq, self._seq = self._seq, self._seq + 1
-        # annotated with the engine's data-parallel rank, as vLLM's publisher does (one
-        # engine: rank 0)
-        payload = self._encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+        # annotated with the engine's data-parallel rank, as vLLM's publisher does
+        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.rank)
+        payload = self._encode(batch)
         self._buffer.append((seq, payload))
         # PUB never blocks: past its high-water mark a slow subscriber loses batches (and
         # asks the replay socket for them), as with vLLM

@@ -1,7 +1,7 @@
 """vLLM's Prometheus metrics for one simulated replica, on a registry of its own.
 
 Names, types and labels follow vLLM V1 (see /work/shared/vllm-reference.md §1): every series
-carries `model_name` and `engine="0"`, except `vllm:cache_config_info`, which carries the cache
+carries `model_name` and `engine` (its data-parallel rank, "0" by default), except `vllm:cache_config_info`, which carries the cache
 configuration as labels and no `model_name`. Gauges and the engine's counters are read from
 the engine when scraped; histograms and `vllm:request_success_total` are observed as tokens
 and requests finish. Times are simulated seconds. tests/conformance/test_metrics.py checks
@@ -24,7 +24,6 @@ from kvgate.sim.reports import StepResult, TokenOutput
 from kvgate.sim.request import FinishReason, SimRequest
 
 LABELS = ("model_name", "engine")
-ENGINE_INDEX = "0"
 VLLM_ONLY_FINISH_REASONS = ("error", "repetition")
 
 # vLLM's bucket bounds (vllm/v1/metrics/buckets.py).
@@ -58,7 +57,7 @@ class _EngineCollector(Collector):
         self._config = config
         self._engine = engine
         self._created = created
-        self._labels = [config.served_model_name, ENGINE_INDEX]
+        self._labels = [config.served_model_name, str(config.data_parallel_rank)]
 
     def collect(self) -> Iterator[Metric]:
         engine, labels, stats = self._engine, self._labels, self._engine.stats
@@ -100,7 +99,7 @@ class _EngineCollector(Collector):
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto" if cfg.kv_dtype_bytes == 2 else "fp8",
             "enable_prefix_caching": str(cfg.enable_prefix_caching),
-            "engine": ENGINE_INDEX,
+            "engine": str(cfg.data_parallel_rank),
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
             "is_attention_free": "False",
             "num_cpu_blocks": "None",
@@ -149,7 +148,7 @@ class SimMetrics:
     def __init__(self, config: SimConfig, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(config, engine, time.time()))
-        values = (config.served_model_name, ENGINE_INDEX)
+        values = (config.served_model_name, str(config.data_parallel_rank))
         sizes = tuple(one_two_five_buckets(config.max_model_len))
         self._h = {
             key: Histogram(

@@ -123,8 +123,8 @@ class EngineRuntime:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_id = 0
-        events = config.kv_events
-        self.kv_events: Publisher | None = None if events is None else Publisher(events)
+        events, rank = config.kv_events, config.data_parallel_rank
+        self.kv_events: Publisher | None = None if events is None else Publisher(events, rank)
 
     def start(self) -> None:
         if self._task is None:

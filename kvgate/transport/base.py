@@ -34,9 +34,12 @@ HOP_BY_HOP = frozenset(
         "Accept-Encoding", "Content-Encoding",
     )
 )
+# vLLM's header pinning a request to one of a replica's data-parallel ranks: kvgate sets it
+# where one rank caches the prompt (`KvEvents.rank_for`), and a client's is never sent on.
+DP_RANK = "x-data-parallel-rank"
 # Client headers that only concern kvgate and are never sent on (the Inference Extension's
 # request control headers among them, as its picker strips them).
-PRIVATE = frozenset({"x-tenant-id", OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE})
+PRIVATE = frozenset({"x-tenant-id", OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, DP_RANK})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class Outcome:
     usage: Usage | None = None
     streamed_tokens: int = 0  # content chunks relayed (≈ tokens; vLLM sends one per token)
     replica: Replica | None = None  # where it went
+    rank: int | None = None  # the replica's data-parallel rank it was pinned to, if any
     sent_at: float | None = None  # when the request went to the replica
     decode_start: float | None = None  # the replica's decode clock then (tokens per sequence)
     ended_at: float | None = None  # when kvgate was done with the replica's connection
@@ -124,10 +128,12 @@ class Transport(Protocol):
 
 
 def upstream_headers(
-    incoming: Mapping[str, str], request_id: str, replica: Replica, *, drop_authorization: bool
+    incoming: Mapping[str, str], request_id: str, replica: Replica, *, drop_authorization: bool,
+    rank: int | None = None,
 ) -> CIMultiDict[str]:
     """The client's headers as sent on: no hop-by-hop or kvgate-only ones, the replica's own
-    API key instead of the client's (or no Authorization where kvgate authenticates)."""
+    API key instead of the client's (or no Authorization where kvgate authenticates), and
+    the data-parallel rank kvgate pinned it to, if any."""
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lowered = name.lower()
@@ -141,4 +147,6 @@ def upstream_headers(
     headers["X-Request-Id"] = request_id
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"  # SSE is relayed and inspected as it arrives
+    if rank is not None:
+        headers[DP_RANK] = str(rank)
     return headers

@@ -16,8 +16,9 @@ import yaml
 
 from kvgate.cli import main
 from kvgate.commands.serve import workers_refusal
-from tests.plugins.envoy import epp_config, free_port, picker_of
+from tests.plugins.envoy import epp_config, picker_of
 from tests.plugins.gateway import wait_settled
+from tests.plugins.processes import free_port
 
 
 def write(path: Path, tree: dict) -> Path:

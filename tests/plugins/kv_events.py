@@ -14,7 +14,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvgate.fleet.kv_events import ReplicaEvents
+from kvgate.fleet.kv_subscriber import ReplicaEvents
 from kvgate.sim.server import SimReplica
 from tests.plugins.waiting import eventually
 from tests.sim.helpers import ok

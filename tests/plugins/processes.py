@@ -21,10 +21,25 @@ ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
+    """A free port on the loopback; with `count`, the first of that many free in a row (a
+    data-parallel engine publishes at its ports + its rank)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + count <= 65536 and all(_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no {count} free ports in a row")
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class Kvgate:

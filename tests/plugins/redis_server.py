@@ -32,6 +32,7 @@ from kvgate.state.memory import MemoryStore
 from kvgate.state.redis import RedisStore
 from kvgate.state.resilient import ResilientStore
 from tests.plugins.clock import ManualClock, ManualStoreTime, RealStoreTime, StoreTime
+from tests.plugins.processes import free_port
 
 _STARTUP_TIMEOUT_S = 10.0
 # Looked up once at import, before any event loop runs (a PATH search stats files).
@@ -52,13 +53,6 @@ def _answers(url: str) -> bool:
         return False
     finally:
         client.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _server_command(port: int) -> list[str]:

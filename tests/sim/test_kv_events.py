@@ -108,3 +108,29 @@ def test_the_flag_is_checked_as_vllm_checks_it():
         SimConfig(kv_events_config='{"enable_kv_cache_events": true, "endpiont": "tcp://*:1"}')
     with pytest.raises(ValueError, match="publisher 'kafka'"):
         SimConfig(kv_events_config='{"enable_kv_cache_events": true, "publisher": "kafka"}')
+
+
+async def test_a_data_parallel_rank_publishes_at_the_ports_plus_its_rank_and_says_which(
+    sim_factory, http
+):
+    """vLLM's `--data-parallel-rank`: its engine's series carry `engine` = the rank, and its
+    KV events go out at the configured ports + the rank, each batch marked with it."""
+    from kvgate.fleet.scrape import parse_vllm_metrics
+    from tests.plugins.processes import free_port
+
+    port, replay_port = free_port(2), free_port(2)
+    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv", '
+              f'"endpoint": "tcp://*:{port}", "replay_endpoint": "tcp://*:{replay_port}"}}')
+    replica = await sim_factory(**{**SIM, "kv_events_config": config}, data_parallel_rank=1)
+    assert replica.kv_events_endpoints == {
+        "endpoint": f"tcp://127.0.0.1:{port + 1}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port + 1}",
+    }
+    await complete(http, replica, PROMPT)
+    batches = await replay(replica)
+    assert batches and all(rank == 1 for _, (_, _, rank) in batches)
+    async with http.get(replica.url + "/metrics") as response:
+        scrape = parse_vllm_metrics(await response.text(), 0.0)
+    assert scrape.engines == (1,)
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        SimConfig(data_parallel_rank=-1)

@@ -13,7 +13,8 @@ from redis.crc import key_slot
 from kvgate.state.base import BucketCorrection, BucketLimit, BucketTake, LeaseHold, StateStoreError
 from kvgate.state.redis import RedisStore
 from kvgate.tenants import tenant_key
-from tests.plugins.redis_server import PrivateRedis, free_port
+from tests.plugins.processes import free_port
+from tests.plugins.redis_server import PrivateRedis
 
 pytestmark = pytest.mark.redis
 

@@ -22,7 +22,7 @@ import yaml
 
 from kvgate.state.redis import RedisStore
 from tests.plugins.gateway import StubUpstream
-from tests.plugins.redis_server import free_port
+from tests.plugins.processes import free_port
 from tests.plugins.waiting import eventually
 from tests.tenants.support import chat, concurrency_pool
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from kvgate.config import RoutingConfig
 from kvgate.fleet.block_index import BlockIndex
-from kvgate.fleet.kv_events import KvEvents, ReplicaEvents
+from kvgate.fleet.kv_events import KvEvents
+from kvgate.fleet.kv_subscriber import ReplicaEvents
 from kvgate.fleet.kv_wire import Event
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
