@@ -156,6 +156,9 @@ class Subscriber:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
         socket.connect(self.endpoint)
+        # the same socket read without asyncio: what has arrived is drained with no future
+        # per message (an asyncio socket answers even a non-blocking read with one)
+        ready: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         try:
             while True:
                 frames: list[bytes] | None = await socket.recv_multipart()
@@ -163,7 +166,7 @@ class Subscriber:
                     if len(frames) == 3:
                         _, seq, payload = frames
                         await self.receive(int.from_bytes(seq, "big", signed=True), payload)
-                    frames = _ready(socket)  # what has arrived meanwhile, without a wakeup
+                    frames = _ready(ready)  # what has arrived meanwhile, without a wakeup
                 # then let batches gather: a wakeup per batch cost more than the batches
                 await asyncio.sleep(GATHER_S)
         finally:
@@ -272,11 +275,9 @@ class Subscriber:
         self.metrics.kv_events_gaps.labels(self.stream).inc()
 
 
-def _ready(socket: zmq.asyncio.Socket) -> list[bytes] | None:
-    """The next message already received, or None (an asyncio socket's non-blocking read
-    answers with a future that is already done)."""
-    future: Any = socket.recv_multipart(zmq.NOBLOCK)
+def _ready(socket: zmq.Socket[bytes]) -> list[bytes] | None:
+    """The next message already received, or None."""
     try:
-        return list(future.result())
+        return socket.recv_multipart(zmq.NOBLOCK)
     except zmq.Again:
         return None

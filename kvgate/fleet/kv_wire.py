@@ -49,6 +49,9 @@ class Event(NamedTuple):
     salts: tuple[Hashable, ...] | None = None
 
 
+ELSEWHERE, CLEARED = Event("elsewhere"), Event("cleared")
+
+
 class Batch(NamedTuple):
     ts: float
     events: list[Event]
@@ -56,9 +59,10 @@ class Batch(NamedTuple):
 
 
 class _Stored(msgspec.Struct, tag="BlockStored"):
-    block_hashes: list[int | bytes]
+    # tuples, decoded as such in C: an `Event` holds them as they are
+    block_hashes: tuple[int | bytes, ...]
     parent_block_hash: int | bytes | None
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -68,7 +72,7 @@ class _Stored(msgspec.Struct, tag="BlockStored"):
 
 
 class _Removed(msgspec.Struct, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
+    block_hashes: tuple[int | bytes, ...]
     medium: str | None = None
     group_idx: int | None = None
 
@@ -122,28 +126,28 @@ def decode_batch(payload: bytes) -> Batch:
             continue
     else:
         return _decode_any(payload)
-    events = []
+    events: list[Event] = []
+    append = events.append
     for item in batch.events:  # the array structs are the map structs' subclasses
         if isinstance(item, _Stored):
-            if item.block_size < 1 or len(item.token_ids) != item.block_size * len(
-                item.block_hashes
-            ):
+            hashes, tokens, size = item.block_hashes, item.token_ids, item.block_size
+            if size < 1 or len(tokens) != size * len(hashes):
                 raise ValueError("BlockStored: token_ids must fill its blocks")
             if item.medium not in INDEXED_MEDIA or item.group_idx not in INDEXED_GROUPS:
-                events.append(Event("elsewhere"))
-                continue
-            events.append(Event(
-                "stored", tuple(item.block_hashes), item.parent_block_hash,
-                tuple(item.token_ids), item.block_size,
-                _salts(item.lora_name or item.lora_id, item.extra_keys, len(item.block_hashes)),
-            ))
+                append(ELSEWHERE)
+            elif item.lora_name is None and item.lora_id is None and not item.extra_keys:
+                append(Event("stored", hashes, item.parent_block_hash, tokens, size))
+            else:
+                lora = item.lora_name or item.lora_id
+                salts = _salts(lora, item.extra_keys, len(hashes))
+                append(Event("stored", hashes, item.parent_block_hash, tokens, size, salts))
         elif isinstance(item, _Removed):
             if item.medium not in INDEXED_MEDIA or item.group_idx not in INDEXED_GROUPS:
-                events.append(Event("elsewhere"))
+                append(ELSEWHERE)
             else:
-                events.append(Event("removed", tuple(item.block_hashes)))
+                append(Event("removed", item.block_hashes))
         else:
-            events.append(Event("cleared"))
+            append(CLEARED)
     return Batch(batch.ts, events, 0)
 
 
