@@ -125,16 +125,20 @@ class KvEvents:
         return max(count for count, _ in held) if held else None
 
     def rank_for(self, replica_id: str, token_ids: Sequence[int] | None, block_size: int) -> int | None:
-        """The data-parallel rank of the replica that holds the most of the prompt, where it
-        has several ranks and one holds more than the others; None: vLLM's own balancing
-        picks (the ranks hold the prompt alike, or nothing is known of them)."""
-        if not token_ids or len(self._streams.get(replica_id, ())) < 2:
+        """Where the replica has several data-parallel engines and one holds more of the
+        prompt than the others: that engine, as vLLM's `X-data-parallel-rank` names it (its
+        place among the server's engines, in rank order: its rank, unless the server's first
+        is not rank 0). None: vLLM's own balancing picks (the engines hold the prompt alike,
+        or nothing is known of them)."""
+        streams = self._streams.get(replica_id, ())
+        if not token_ids or len(streams) < 2:
             return None
         held = self._held(replica_id, self.keys_for(token_ids, block_size))
         counts = sorted((count for count, _ in held), reverse=True)
         if not counts or counts[0] == 0 or (len(counts) > 1 and counts[1] == counts[0]):
             return None
-        return max(held, key=lambda item: item[0])[1].rank
+        deepest = max(held, key=lambda item: item[0])[1]
+        return streams.index(deepest.stream)
 
     def keys_for(self, token_ids: Sequence[int], block_size: int) -> LazyKeys:
         """The prompt's block keys, the same object for the same prompt as long as it is the
@@ -153,14 +157,17 @@ class KvEvents:
 
     def expect(
         self, replica_id: str, token_ids: tuple[int, ...] | None, block_size: int,
-        rank: int | None = None,
+        engine: int | None = None,
     ) -> None:
-        """A prompt is being sent to the replica (pinned to `rank`, or to whichever rank vLLM
-        picks: then each rank expects it, the replica will hold it on one): count its blocks
-        as cached there until its events arrive (or EXPECTED_S)."""
+        """A prompt is being sent to the replica (pinned to `engine`, as `rank_for` names it,
+        or to whichever engine vLLM picks: then each expects it, the replica will hold it on
+        one): count its blocks as cached there until its events arrive (or EXPECTED_S)."""
         if not token_ids:
             return
-        states = [s for s in self._trusted(replica_id) if rank is None or s.rank == rank]
+        states = self._trusted(replica_id)
+        if engine is not None:
+            pinned = self._streams[replica_id][engine]
+            states = [state for state in states if state.stream == pinned]
         if not states:
             return
         keys = self.keys_for(token_ids, block_size).first(EXPECTED_BLOCKS)  # made once
@@ -288,9 +295,11 @@ class KvEvents:
                 "partial": any(r["partial"] for r in ranks.values()), "ranks": ranks}
 
     def _describe(self, stream: str) -> dict[str, Any]:
-        state = self.states[stream]
+        state, running = self.states[stream], self._running.get(stream)
         age = None if state.last_event_at is None else round(self.clock() - state.last_event_at, 3)
-        return {"subscribed": stream in self._running, "last_seq": state.sequencer.last,
+        return {"subscribed": running is not None,
+                "endpoint": None if running is None else running.where[0],
+                "last_seq": state.sequencer.last,
                 "blocks": len(state.index), "orphan_blocks": state.index.orphans,
                 "partial": state.index.partial,
                 "engine_hashes": None if state.engine is None else state.engine.agrees,

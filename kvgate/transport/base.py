@@ -56,7 +56,7 @@ class Outcome:
     usage: Usage | None = None
     streamed_tokens: int = 0  # content chunks relayed (≈ tokens; vLLM sends one per token)
     replica: Replica | None = None  # where it went
-    rank: int | None = None  # the replica's data-parallel rank it was pinned to, if any
+    rank: int | None = None  # the replica's data-parallel engine it was pinned to, if any
     sent_at: float | None = None  # when the request went to the replica
     decode_start: float | None = None  # the replica's decode clock then (tokens per sequence)
     ended_at: float | None = None  # when kvgate was done with the replica's connection

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvgate.config import KvEventsConfig, KvEventsEndpoints, ReplicaConfig, parse_config
-from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, block_keys, chain_key
+from kvgate.fleet.block_index import ROOT_KEY, BlockIndex, LazyKeys, block_keys, chain_key
 from kvgate.fleet.kv_events import KvEvents, endpoints_of
 from kvgate.fleet.kv_subscriber import ReplicaEvents, Sequencer, Subscriber
 from kvgate.fleet.kv_wire import Event, decode_batch
@@ -420,6 +420,45 @@ async def test_the_index_is_bounded_by_the_replicas_capacity_once_discovery_know
         events.sync([r], config)
         assert events.states["a"].index is index and index.capacity == 64
         assert len(index) == 64  # the oldest went
+    finally:
+        await events.close()
+
+
+async def test_each_engine_a_replica_names_is_a_stream_and_a_pin_names_its_place():
+    """A server running data-parallel ranks 2 and 3 (vLLM's hybrid balancing: another server
+    runs 0 and 1): each rank is followed at the ports + its rank, bounded by its share of
+    the replica's blocks; the replica holds what its deepest rank holds; and a pin names the
+    engine's place among the server's (vLLM indexes its engines so), not its rank."""
+    r = Replica(config=ReplicaConfig(url="http://gpu-a:8000", name="h"), pool="default",
+                healthy=True, scrape=Scrape(at=0.0, num_gpu_blocks=200, engines=(2, 3)))
+    config = parse_config({"pools": {"default": {
+        "replicas": [{"url": "http://gpu-a:8000", "name": "h"}], "kv_events": {}}}})
+    events = KvEvents(Metrics())
+    try:
+        events.sync([r], config)
+        assert set(events.states) == {"h/dp2", "h/dp3"}
+        ranks = (events.describe("h") or {})["ranks"]
+        assert {rank: r["endpoint"] for rank, r in ranks.items()} == {
+            "2": "tcp://gpu-a:5559", "3": "tcp://gpu-a:5560"}  # replays at 5560 and 5561
+        assert all(state.index.capacity == 100 for state in events.states.values())
+        prompt = tuple(range(64))  # four blocks of 16
+        assert events.cached_blocks("h", LazyKeys(prompt, 16)) is None  # nothing heard yet
+        for state in events.states.values():
+            state.sequencer.last = 0
+        events.states["h/dp3"].index.apply(
+            Event("stored", (1, 2, 3), None, prompt[:48], 16))
+        events.states["h/dp2"].index.apply(Event("stored", (9,), None, prompt[:16], 16))
+        assert events.cached_blocks("h", LazyKeys(prompt, 16)) == 3
+        assert events.rank_for("h", prompt, 16) == 1  # rank 3: the server's second engine
+        events.expect("h", prompt, 16, 1)
+        assert set(events.states["h/dp3"].expected) and not events.states["h/dp2"].expected
+        other = tuple(range(100, 132))
+        assert events.rank_for("h", other, 16) is None  # no engine holds it: vLLM picks
+        events.expect("h", other, 16)  # then each expects it
+        assert all(len(s.expiries) >= 1 for s in events.states.values())
+        described = events.describe("h")
+        assert described is not None and set(described["ranks"]) == {"2", "3"}
+        assert described["blocks"] == 4
     finally:
         await events.close()
 
