@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -18,12 +16,12 @@ from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLar
 from kvgate.fleet.drain import set_drain
 from kvgate.fleet.snapshot import BASES
 from kvgate.gateway import Gateway
-from kvgate.request.info import REQUEST_INFO, RequestInfo, new_request_info
+from kvgate.request.ending import CLIENT_LEFT, finish
+from kvgate.request.info import REQUEST_INFO, new_request_info
 from kvgate.request.parsed import Endpoint
 from kvgate.workers import PEERS
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("kvgate.access")  # one JSON line per request, when enabled
 
 GATEWAY = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -45,18 +43,21 @@ def error_response(error: KvgateError, request_id: str | None = None) -> web.Res
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves here as OpenAI's error body; client mistakes never as a 500. Every
-    API request is counted (and, with server.access_log, logged) here once, by outcome."""
+    API request's ending is recorded here once (`kvgate.request.ending.finish`)."""
     info = new_request_info(request)
     request[REQUEST_INFO] = info
     gateway = request.app[GATEWAY]
+
+    def ended(status: int, error: BaseException | None = None) -> None:
+        finish(gateway.metrics, gateway.runtime.config, info, status, error)
+
     try:
         response = await handler(request)
-    except asyncio.CancelledError:  # the client went away; everything held was released
-        # a client that hangs up once it has [DONE] got its answer: that is not a disconnect
-        record(gateway, info, "ok" if info.delivered else "disconnected", 499)
+    except asyncio.CancelledError as exc:  # the client went away; everything held was released
+        ended(CLIENT_LEFT, exc)
         raise
     except KvgateError as exc:
-        refused(gateway, info, exc)
+        ended(exc.status, exc)
         return error_response(exc, info.request_id)
     except web.HTTPException as exc:
         error = _from_http(exc)
@@ -66,56 +67,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
-        refused(gateway, info, error)
+        ended(error.status, error)
         return error_response(error, info.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
-        outcome = "ok" if response.status < 400 else "upstream_error"
-        if 400 <= response.status < 500:
-            outcome = "client_error"
-        if info.disconnected:
-            outcome = "disconnected"
-        record(gateway, info, outcome, response.status)
+        ended(response.status)
     return response
-
-
-def refused(gateway: Gateway, info: RequestInfo, error: KvgateError) -> None:
-    """A request that ended in `error`: counted by outcome and refusal reason."""
-    record(gateway, info, "refused" if error.status < 500 else "upstream_error", error.status,
-           error.refusal_reason)
-    gateway.metrics.refusals.labels(info.pool, info.tenant, error.refusal_reason).inc()
-
-
-def record(
-    gateway: Gateway, info: RequestInfo, outcome: str, status: int, reason: str | None = None
-) -> None:
-    """One API request, counted (and logged, with server.access_log) by how it ended; the one
-    place for it, whichever data plane served the request."""
-    duration = time.monotonic() - info.started
-    gateway.metrics.requests.labels(info.model, info.pool, info.tenant, outcome).inc()
-    if outcome in ("ok", "disconnected", "client_error"):
-        gateway.metrics.duration.labels(info.pool, info.model).observe(duration)
-    if gateway.runtime.config.server.access_log:
-        access_log.info("%s", access_line(info, outcome, status, reason, duration))
-
-
-def access_line(
-    info: RequestInfo, outcome: str, status: int, reason: str | None, duration: float
-) -> str:
-    """One request's access-log record as JSON: what it asked, where it went, what it cost and
-    how it ended. Never the prompt, never a key (the tenant is its configured name)."""
-    return orjson.dumps({
-        "request_id": info.request_id, "tenant": info.tenant, "model": info.model,
-        "pool": info.pool, "replica": info.replica, "status": status, "outcome": outcome,
-        "refusal_reason": reason, "prompt_tokens": info.prompt_tokens,
-        "max_tokens": info.max_tokens, "worst_case_blocks": info.worst_case_blocks,
-        "reserved_blocks": info.reserved_blocks, "charged_tokens": info.charged_tokens,
-        "queue_wait_s": _seconds(info.queue_wait_s), "ttft_s": _seconds(info.ttft_s),
-        "duration_s": _seconds(duration),
-    }).decode()
-
-
-def _seconds(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
 
 
 def _from_http(exc: web.HTTPException) -> KvgateError | None:
@@ -141,16 +97,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response(model_list(request.app[GATEWAY]))
-
-
-def model_list(gateway: Gateway) -> dict[str, Any]:
-    """/v1/models: the union of what healthy replicas serve, whichever data plane asks."""
-    data = [
-        {"id": name, "object": "model", "owned_by": "kvgate", "max_model_len": length}
-        for name, length in sorted(gateway.registry.models().items())
-    ]
-    return {"object": "list", "data": data}
+    return web.json_response(request.app[GATEWAY].registry.model_list())
 
 
 async def health(request: web.Request) -> web.Response:
@@ -160,18 +107,9 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """Ready when every configured model (or, with none configured, any model) has at least
     one healthy replica."""
-    body = readiness(request.app[GATEWAY])
+    gateway = request.app[GATEWAY]
+    body = gateway.registry.readiness(m.name for m in gateway.runtime.config.models)
     return web.json_response(body, status=200 if body["ready"] else 503)
-
-
-def readiness(gateway: Gateway) -> dict[str, Any]:
-    """Whether the gateway can serve: every configured model (or, with none configured, any
-    model) has a healthy replica. /ready's body, and the picker's gRPC readiness."""
-    served = gateway.registry.models()
-    wanted = [m.name for m in gateway.runtime.config.models]
-    missing = [m for m in wanted if m not in served]
-    ok = not missing if wanted else bool(served)
-    return {"ready": ok, "models": sorted(served), "missing": missing}
 
 
 async def admin_prompts(request: web.Request) -> web.Response:

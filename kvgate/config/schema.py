@@ -101,7 +101,7 @@ class ServerConfig(Section):
     max_connections: PositiveInt = 10000
     drain_s: float = Field(30.0, ge=0)
     # One JSON line per API request on the `kvgate.access` logger (fields and cost: see
-    # config/kvgate.yaml and kvgate.api.routes.access_line; the metrics count every request).
+    # config/kvgate.yaml and kvgate.request.ending.access_line; the metrics count every request).
     access_log: bool = False
     # X-Kvgate-Prompt-Tokens (kvgate's estimate of vLLM's count) and X-Kvgate-Reserved-Blocks
     # on every forwarded response, to compare with the usage vLLM reports.

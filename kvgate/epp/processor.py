@@ -30,7 +30,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvgate.api.routes import model_list, record, refused
 from kvgate.epp.plane import EnvoyRequest
 from kvgate.epp.stream import (
     SYSTEM_OWNED,
@@ -52,6 +51,7 @@ from kvgate.errors import (
 )
 from kvgate.exchange import Exchange
 from kvgate.gateway import Gateway
+from kvgate.request.ending import CLIENT_LEFT, finish
 from kvgate.request.info import RequestInfo, request_info
 from kvgate.request.parsed import Endpoint
 from kvgate.transport.breaker import BreakerTransport
@@ -167,8 +167,8 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
                 retries=False, subset=subset_of(first), sees_body=envoy.sees_body,
             )
             await self.gateway.run(x, source_address(first), plane)
-        except asyncio.CancelledError:  # Envoy reset the stream: the client left
-            record(self.gateway, info, "ok" if info.delivered else "disconnected", 499)
+        except asyncio.CancelledError as exc:  # Envoy reset the stream: the client left
+            self.ended(info, CLIENT_LEFT, exc)
             raise
         except Exception as exc:
             if not isinstance(exc, KvgateError):
@@ -176,11 +176,14 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             error = exc if isinstance(exc, KvgateError) else ServerError(
                 "kvgate failed to handle this request; see its logs"
             )
-            refused(self.gateway, info, error)
+            self.ended(info, error.status, error)
             if await stream.answer_if_pending(immediate(error, info.request_id)):
                 envoy.finished = True  # the client has kvgate's answer instead
         else:
-            record(self.gateway, info, "disconnected" if info.disconnected else "ok", 200)
+            self.ended(info, 200)
+
+    def ended(self, info: RequestInfo, status: int, error: BaseException | None = None) -> None:
+        finish(self.gateway.metrics, self.gateway.runtime.config, info, status, error)
 
     async def not_a_request(
         self, stream: EnvoyStream, info: RequestInfo, method: str, path: str, known: bool
@@ -188,7 +191,7 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         """What kvgate's own port answers for it: its model list, a 405 or a 404."""
         if method == "GET" and path == MODELS:
             await stream.answer(immediate_json(
-                200, model_list(self.gateway), {"x-request-id": info.request_id}, "kvgate_models"
+                200, self.gateway.registry.model_list(), {"x-request-id": info.request_id}, "kvgate_models"
             ))
             return
         error: KvgateError = (

@@ -20,7 +20,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvgate.api.routes import readiness
 from kvgate.config import EppConfig
 from kvgate.epp.processor import Processor
 from kvgate.epp.tls import Certificate
@@ -70,7 +69,8 @@ class EppServer:
             await self.health.set(service, _status(ready))
 
     def ready(self) -> bool:
-        return bool(readiness(self.gateway)["ready"])
+        config = self.gateway.runtime.config
+        return bool(self.gateway.registry.readiness(m.name for m in config.models)["ready"])
 
     async def follow_readiness(self) -> None:
         was = self.ready()

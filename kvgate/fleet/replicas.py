@@ -23,6 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
+from typing import Any
 
 from yarl import URL
 
@@ -198,6 +199,23 @@ class Registry:
 
     def in_pool(self, pool: str) -> list[Replica]:
         return [r for r in self._replicas.values() if r.pool == pool]
+
+    def model_list(self) -> dict[str, Any]:
+        """/v1/models: the union of what healthy replicas serve, whichever data plane asks."""
+        data = [
+            {"id": name, "object": "model", "owned_by": "kvgate", "max_model_len": length}
+            for name, length in sorted(self.models().items())
+        ]
+        return {"object": "list", "data": data}
+
+    def readiness(self, wanted: Iterable[str]) -> dict[str, Any]:
+        """Whether the gateway can serve: every model in `wanted` (the configured ones; none:
+        any model) has a healthy replica. /ready's body, and the picker's gRPC readiness."""
+        served = self.models()
+        wanted = list(wanted)
+        missing = [m for m in wanted if m not in served]
+        ok = not missing if wanted else bool(served)
+        return {"ready": ok, "models": sorted(served), "missing": missing}
 
     def models(self) -> dict[str, int | None]:
         """Every model a healthy replica serves, with the smallest max_model_len reported."""
