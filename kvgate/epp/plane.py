@@ -71,7 +71,6 @@ class EnvoyRequest:
         self.chunk = b""  # that chunk, as it came
         self.ended = False  # the answer's last chunk came
         self.picked = False  # the pick went to Envoy: the request is on its way
-        self.answered = False  # the answer's headers went on to the client
         self.finished = False  # the whole answer went on: a reset now is Envoy's close
         self.gave_up = False  # kvgate stopped following the answer: Envoy must end it
 
@@ -199,7 +198,6 @@ class EnvoyRequest:
         await self.stream.answer(
             headers_reply("response_headers", headers, remove=[FLAGS, SERVED], buffer_body=buffer)
         )
-        self.answered = True
 
     async def error(self, answer: UpstreamResponse, headers: Mapping[str, str]) -> None:
         """An answer of 400 or more, read whole first: a 5xx raises (busy or failed; the body

@@ -44,7 +44,8 @@ _ALIASES = {
 
 @dataclass(slots=True)
 class Scrape:
-    """One reading of a replica's vLLM metrics (sums over data-parallel engines)."""
+    """One reading of a replica's vLLM metrics (sums over data-parallel engines; its blocks
+    the server's total)."""
 
     at: float
     num_gpu_blocks: int | None = None
@@ -154,10 +155,13 @@ def parse_vllm_metrics(text: str, at: float) -> Scrape:
     engines: set[int] = set()
     for family in text_string_to_metric_families(read_lines(text)):
         if family.name == _INFO:
+            # one series per data-parallel engine, each with the server's cache config: its
+            # num_gpu_blocks is already the sum over the engines (vLLM adds each engine's
+            # blocks up at start-up), so a replica's capacity is that, not a sum of sums
             for sample in family.samples:
                 n = sample.labels.get("num_gpu_blocks", "None")
                 if n.isdigit():
-                    blocks += int(n)
+                    blocks = max(blocks, int(n))
                 size = sample.labels.get("block_size", "")
                 if size.isdigit():
                     block_size = int(size)

@@ -85,9 +85,9 @@ vllm:num_preemptions_total{engine="1"} 5
 # TYPE vllm:num_preemptions_created gauge
 vllm:num_preemptions_created{engine="0"} 1.7e9
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="100"} 1
-vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="120"} 1
-"""
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="220"} 1
+vllm:cache_config_info{block_size="32",engine="1",num_gpu_blocks="220"} 1
+"""  # each engine's series carries the server's config: its blocks summed over the engines
 
 
 def test_engines_sum_older_names_alias_and_timestamps_and_indents_are_read() -> None:
