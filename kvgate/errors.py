@@ -214,3 +214,30 @@ class UpstreamTimeout(ServerError):
     type = "timeout"
     code = "upstream_timeout"
     refusal_reason = "upstream_timeout"
+
+
+# How an attempt at a replica failed, one type each (the client sees their parent's status and
+# code). The transport raises them, or records them on the attempt where the answer was
+# already under way (`kvgate.transport.base.Outcome.fail`); the breaker and failover dispatch
+# on the type (`kvgate.transport.failover`).
+
+
+class Unreachable(UpstreamError):
+    """The request never reached the replica: the connection could not be made."""
+
+
+class StreamBroke(UpstreamError):
+    """The connection to the replica, or Envoy's stream, ended before the answer did."""
+
+
+class BadAnswer(UpstreamError):
+    """The replica answered with a failure (a 5xx other than vLLM's busy one) or with what
+    kvgate cannot use (a success that is not JSON; behind Envoy, from another address)."""
+
+
+class NoHeadersInTime(UpstreamTimeout):
+    """No response headers within first_byte_s (or, behind Envoy, within its timeout)."""
+
+
+class LateAnswer(UpstreamTimeout):
+    """The answer began, then outlived its total deadline or went idle past idle_s."""

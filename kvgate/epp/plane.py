@@ -40,7 +40,7 @@ from kvgate.epp.stream import (
     served_of,
     unchanged,
 )
-from kvgate.errors import UpstreamError, UpstreamTimeout
+from kvgate.errors import BadAnswer, LateAnswer, NoHeadersInTime, StreamBroke, Unreachable
 from kvgate.idle import IdleTimeout
 from kvgate.transport.base import Outcome, UpstreamRequest, UpstreamResponse
 from kvgate.transport.relay import Events, judge_whole, wrote
@@ -85,28 +85,32 @@ class EnvoyRequest:
             async with asyncio.timeout(t.total_s + BACKSTOP_S):
                 message = await self.stream.next()
         except TimeoutError:
-            attempt.upstream_failed = attempt.timed_out = self.gave_up = True
-            raise UpstreamTimeout(f"Envoy sent no answer from replica {replica.id}") from None
+            self.gave_up = True
+            raise attempt.fail(
+                NoHeadersInTime(f"Envoy sent no answer from replica {replica.id}")
+            ) from None
         if message is None or message.WhichOneof("request") != "response_headers":
-            attempt.upstream_failed = True
-            raise UpstreamError(f"Envoy ended the exchange before replica {replica.id} answered")
+            raise attempt.fail(
+                StreamBroke(f"Envoy ended the exchange before replica {replica.id} answered")
+            )
         headers = headers_of(message.response_headers.headers)
         status = int(headers.get(":status", "0") or 0)
         flags = frozenset(headers.get(FLAGS, "").split(","))
         if flags & UNREACHED:
-            attempt.upstream_failed = attempt.unreachable = True
-            raise UpstreamError(f"replica {replica.id} could not be reached ({','.join(flags)})")
+            raise attempt.fail(
+                Unreachable(f"replica {replica.id} could not be reached ({','.join(flags)})")
+            )
         if flags & TIMED_OUT:
-            attempt.upstream_failed = attempt.timed_out = True
-            raise UpstreamTimeout(f"replica {replica.id} did not answer within Envoy's timeout")
+            raise attempt.fail(
+                NoHeadersInTime(f"replica {replica.id} did not answer within Envoy's timeout")
+            )
         served = served_of(message) or headers.get(SERVED)
         if served and served != replica.address:
             # Envoy's cluster lacks the pick (override_host fell back): booked here, run there
-            attempt.upstream_failed = True
-            raise UpstreamError(
+            raise attempt.fail(BadAnswer(
                 f"Envoy sent the request to {served}, not to the replica kvgate admitted it on "
                 f"({replica.address}): the pool's cluster must list the same addresses"
-            )
+            ))
         attempt.status = status
         self.ended = message.response_headers.end_of_stream
         return UpstreamResponse(
@@ -187,8 +191,10 @@ class EnvoyRequest:
                 async with IdleTimeout(idle, until) as limit:
                     await events.pump(self.readany, limit)
                 await events.flush()
-        except TimeoutError:
-            outcome.upstream_failed = self.gave_up = True
+        except TimeoutError:  # Envoy's own timeouts did not end it: kvgate stops following
+            self.gave_up = True
+            outcome.fail(LateAnswer(f"replica {answer.request.replica.id}'s answer outlived "
+                                    "Envoy's timeouts"))
         finally:
             await answer.aclose()
 
@@ -217,8 +223,8 @@ class EnvoyRequest:
         await self.answer_headers(headers, buffer=True)
         message = await self.stream.next()
         if message is None or message.WhichOneof("request") != "response_body":
-            raise UpstreamError(f"Envoy sent no body for replica {answer.request.replica.id}'s "
-                                f"{answer.status}")
+            raise StreamBroke(f"Envoy sent no body for replica {answer.request.replica.id}'s "
+                              f"{answer.status}")  # its status judges the replica
         error = judge_whole(answer, bytes(message.response_body.body))
         body = orjson.dumps(error)
         await self.stream.answer(
@@ -236,8 +242,8 @@ class EnvoyRequest:
             parts.append(message.response_body.body)
             if message.response_body.end_of_stream:
                 return b"".join(parts)
-        raise UpstreamError(f"Envoy ended the exchange before replica "
-                            f"{answer.request.replica.id}'s {answer.status} was whole")
+        raise StreamBroke(f"Envoy ended the exchange before replica "
+                          f"{answer.request.replica.id}'s {answer.status} was whole")
 
     async def readany(self) -> bytes:
         """The answer's next body chunk (b"" at its end); the one before goes on, as changed.

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from multidict import CIMultiDict
 
 from kvgate.config import TimeoutsConfig
+from kvgate.errors import ReplicaBusy, ServerError, Unreachable
 from kvgate.fleet.replicas import Replica
 from kvgate.request.parsed import MODEL_REWRITE
 from kvgate.tenants import FAIRNESS_ID, OBJECTIVE
+
+E = TypeVar("E", bound=ServerError)
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -63,13 +66,32 @@ class Outcome:
     first_token_at: float | None = None
     done: bool = False  # the client was sent the whole answer ([DONE], or the full body)
     client_disconnected: bool = False
-    upstream_failed: bool = False
-    unreachable: bool = False  # the request never got to the replica (connection failed)
-    timed_out: bool = False  # no response headers within first_byte_s
-    busy: str | None = None  # vLLM's queue limits refused it (their reason): not a failure
+    # how the replica's end failed (`kvgate.errors`: Unreachable, NoHeadersInTime, StreamBroke,
+    # BadAnswer, LateAnswer), or vLLM's queue limits refusing it (ReplicaBusy: not a failure)
+    failure: ServerError | None = None
     # the answer's body passed through kvgate (False behind Envoy in headers mode: a stream's
     # tokens are then the replica's decode clock's, as for a whole answer)
     body_seen: bool = True
+
+    def fail(self, error: E) -> E:
+        """Record how the attempt failed (the first failure stands), and return it to raise."""
+        if self.failure is None:
+            self.failure = error
+        return error
+
+    @property
+    def upstream_failed(self) -> bool:
+        return self.failure is not None and not isinstance(self.failure, ReplicaBusy)
+
+    @property
+    def unreachable(self) -> bool:
+        """The request never got to the replica (the connection failed)."""
+        return isinstance(self.failure, Unreachable)
+
+    @property
+    def busy(self) -> str | None:
+        """vLLM's reason for refusing it (its queue limits), if it did."""
+        return self.failure.reason if isinstance(self.failure, ReplicaBusy) else None
 
     def completion_tokens(self) -> int:
         return self.usage.completion_tokens if self.usage else self.streamed_tokens

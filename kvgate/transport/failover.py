@@ -6,7 +6,14 @@ attempts stage (`kvgate.transport.attempts`).
 from __future__ import annotations
 
 from kvgate.config import RetryConfig
-from kvgate.errors import KvgateError, UpstreamError, UpstreamTimeout
+from kvgate.errors import (
+    KvgateError,
+    NoHeadersInTime,
+    ReplicaBusy,
+    Unreachable,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from kvgate.transport.base import Outcome
 
 
@@ -18,12 +25,13 @@ def replica_failed(outcome: Outcome, stream: bool) -> bool | None:
     is not a broken one: `kvgate.admission.backpressure`), or a whole answer that took longer than
     first_byte_s (vLLM sends a non-streamed answer's headers only when it is done: long is not
     broken)."""
-    if outcome.busy is not None:
+    failure = outcome.failure
+    if isinstance(failure, ReplicaBusy):
         return None
-    if outcome.unreachable:
+    if isinstance(failure, NoHeadersInTime):
+        return stream or outcome.status != 0
+    if failure is not None:
         return True
-    if outcome.upstream_failed:
-        return not (outcome.status == 0 and outcome.timed_out and not stream)
     if 0 < outcome.status < 400:
         return False
     return None
@@ -36,7 +44,7 @@ def retry_reason(exc: KvgateError, outcome: Outcome, retry: RetryConfig) -> str 
     retry.on_timeout — sent no headers within first_byte_s."""
     if outcome.sent_at is None or not isinstance(exc, UpstreamError | UpstreamTimeout):
         return None
-    if outcome.unreachable:
+    if isinstance(exc, Unreachable):
         return "unreachable"
     if outcome.status >= 500:
         return "upstream_error"

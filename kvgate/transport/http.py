@@ -14,7 +14,8 @@ import time
 
 import aiohttp
 
-from kvgate.errors import UpstreamError, UpstreamTimeout
+from kvgate.config import TimeoutsConfig
+from kvgate.errors import NoHeadersInTime, ServerError, StreamBroke, Unreachable
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import metrics_read_after
 from kvgate.transport.base import Outcome, UpstreamRequest, UpstreamResponse
@@ -40,19 +41,8 @@ class HttpTransport:
                     f"{replica.url}{request.path}", data=request.body, headers=request.headers,
                     timeout=timeout, auto_decompress=False,
                 )
-        except aiohttp.ConnectionTimeoutError:  # (also a TimeoutError) it never got the request
-            attempt.upstream_failed = attempt.unreachable = True
-            raise UpstreamError(
-                f"replica {replica.id} could not be reached within {t.connect_s:g}s"
-            ) from None
-        except TimeoutError:
-            attempt.upstream_failed = attempt.timed_out = True
-            raise UpstreamTimeout(
-                f"replica {replica.id} did not answer within {t.first_byte_s:g}s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            _failed(attempt, exc)
-            raise UpstreamError(f"replica {replica.id} could not be reached: {exc}") from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise attempt.fail(failure(exc, replica.id, t)) from None
         attempt.status = upstream.status
         replica.answered_at = time.monotonic()  # alive, whatever discovery's checks say
         return UpstreamResponse(
@@ -101,6 +91,14 @@ async def _give_back(upstream: aiohttp.ClientResponse) -> None:
     await upstream.wait_for_close()
 
 
-def _failed(attempt: Outcome, exc: aiohttp.ClientError) -> None:
-    attempt.upstream_failed = True
-    attempt.unreachable = isinstance(exc, aiohttp.ClientConnectorError)
+def failure(exc: TimeoutError | aiohttp.ClientError, replica_id: str, t: TimeoutsConfig) -> ServerError:
+    """What aiohttp's error before the response headers means, as kvgate's failure type: the
+    one table for the HTTP transport (the relay's failures after the headers are its own)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # (also a TimeoutError)
+        return Unreachable(f"replica {replica_id} could not be reached within {t.connect_s:g}s")
+    if isinstance(exc, TimeoutError):
+        return NoHeadersInTime(f"replica {replica_id} did not answer within {t.first_byte_s:g}s")
+    message = f"replica {replica_id} could not be reached: {exc}"
+    if isinstance(exc, aiohttp.ClientConnectorError):  # nothing listens there
+        return Unreachable(message)
+    return StreamBroke(message)  # the connection broke before the headers

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.admission.backpressure import overload_reason
-from kvgate.errors import KvgateError, ReplicaBusy, UpstreamError, UpstreamTimeout
+from kvgate.errors import BadAnswer, KvgateError, LateAnswer, ReplicaBusy, StreamBroke
 from kvgate.idle import IdleTimeout
 from kvgate.transport.base import Outcome, UpstreamResponse, Usage
 
@@ -80,11 +80,11 @@ async def _relay_whole(answer: UpstreamResponse, headers: Mapping[str, str]) -> 
         async with asyncio.timeout(max(0.0, answer.deadline - time.monotonic())):
             raw = await answer.read()
     except TimeoutError:
-        outcome.upstream_failed = True
-        raise UpstreamTimeout(f"replica {replica.id} did not finish in time") from None
+        raise outcome.fail(LateAnswer(f"replica {replica.id} did not finish in time")) from None
     except aiohttp.ClientError as exc:
-        outcome.upstream_failed = True
-        raise UpstreamError(f"replica {replica.id} failed mid-response: {exc}") from None
+        raise outcome.fail(
+            StreamBroke(f"replica {replica.id} failed mid-response: {exc}")
+        ) from None
     error = judge_whole(answer, raw)
     if error is not None:
         return web.json_response(
@@ -98,7 +98,7 @@ async def _relay_whole(answer: UpstreamResponse, headers: Mapping[str, str]) -> 
 
 def judge_whole(answer: UpstreamResponse, raw: bytes) -> dict[str, Any] | None:
     """What a whole answer tells, into the attempt's `Outcome`: its usage, or that it failed.
-    Raises `ReplicaBusy` (vLLM's queue limits refused it) or `UpstreamError` (a 5xx, or a
+    Raises `ReplicaBusy` (vLLM's queue limits refused it) or `BadAnswer` (a 5xx, or a
     success that is not JSON); returns a 4xx's error body in OpenAI's shape, else None."""
     outcome, replica = answer.request.attempt, answer.request.replica
     status = answer.status
@@ -106,20 +106,17 @@ def judge_whole(answer: UpstreamResponse, raw: bytes) -> dict[str, Any] | None:
         detail = _openai_error_body(raw, status)["error"]["message"]
         busy = overload_reason(status, raw)
         if busy is not None:
-            outcome.busy = busy
-            raise ReplicaBusy(f"replica {replica.id} is busy: {detail}", reason=busy)
-        outcome.upstream_failed = True
-        error: KvgateError = UpstreamError(f"replica {replica.id} answered {status}: {detail}")
+            raise outcome.fail(ReplicaBusy(f"replica {replica.id} is busy: {detail}", reason=busy))
+        error = BadAnswer(f"replica {replica.id} answered {status}: {detail}")
         if status == 503:
             error.status = 503
-        raise error
+        raise outcome.fail(error)
     if status >= 400:
         return _openai_error_body(raw, status)
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        outcome.upstream_failed = True
-        raise UpstreamError(f"replica {replica.id} answered with invalid JSON") from None
+        raise outcome.fail(BadAnswer(f"replica {replica.id} answered with invalid JSON")) from None
     usage = data.get("usage") if isinstance(data, dict) else None
     outcome.usage = _usage(usage)
     outcome.first_token_at = time.monotonic()
@@ -157,18 +154,16 @@ async def _relay_stream(
             if client.transport is not None:
                 client.transport.abort()
             return response
-        outcome.upstream_failed = True
-        await _send_error(response, UpstreamTimeout(
+        await _send_error(response, outcome.fail(LateAnswer(
             f"replica {replica.id} exceeded the total time limit" if at_deadline
             else f"replica {replica.id} sent nothing for {idle:g}s mid-stream"
-        ))
+        )))
     except aiohttp.ClientError as exc:
         if outcome.client_disconnected:
             return response
-        outcome.upstream_failed = True
-        await _send_error(response, UpstreamError(
+        await _send_error(response, outcome.fail(StreamBroke(
             f"replica {replica.id} broke the stream: {exc or type(exc).__name__}"
-        ))
+        )))
     except ConnectionResetError:
         outcome.client_disconnected = True
         return response

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from kvgate.admission.backpressure import Backpressure, overload_reason
+from kvgate.errors import BadAnswer, ReplicaBusy
 from kvgate.sim.admission import MESSAGES
 from kvgate.transport.base import Outcome
 from kvgate.transport.failover import replica_failed
@@ -53,8 +54,9 @@ def test_any_other_answer_is_not_busy(status: int, body: bytes) -> None:
 
 
 def test_a_busy_answer_says_nothing_of_the_replicas_health() -> None:
-    assert replica_failed(Outcome(status=503, busy="max_num_queued_reqs"), stream=False) is None
-    assert replica_failed(Outcome(status=503, upstream_failed=True), stream=False) is True
+    busy = ReplicaBusy("busy", reason="max_num_queued_reqs")
+    assert replica_failed(Outcome(status=503, failure=busy), stream=False) is None
+    assert replica_failed(Outcome(status=503, failure=BadAnswer("503")), stream=False) is True
 
 
 def test_a_refusal_holds_the_replica_at_what_this_instance_held_until_one_of_them_ends() -> None:

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from kvgate.config import ReplicaConfig
-from kvgate.errors import KvgateError
+from kvgate.errors import KvgateError, ServerError
 from kvgate.fleet.replicas import Replica
 from kvgate.sim.admission import MESSAGES
 from kvgate.transport.base import UpstreamRequest, UpstreamResponse
@@ -48,8 +48,9 @@ class ScriptedTransport:
         attempt = request.attempt
         attempt.sent_at = time.monotonic()
         answer = self.script[request.replica.id]
+        if isinstance(answer, ServerError):  # recorded as the transport records its failures
+            raise attempt.fail(answer)
         if isinstance(answer, KvgateError):
-            attempt.upstream_failed = attempt.unreachable = True
             raise answer
         attempt.status = answer.status
         chunks = list(answer.chunks)

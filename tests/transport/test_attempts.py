@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from kvgate.admission.demand import Demand
-from kvgate.errors import NoReplica, UpstreamError
+from kvgate.errors import NoReplica, Unreachable, UpstreamError
 from kvgate.exchange import Exchange
 from kvgate.fleet.health import Breakers
 from kvgate.metrics import Metrics
@@ -82,7 +82,7 @@ async def test_a_5xx_before_any_byte_goes_once_more_to_another_replica():
 
 
 async def test_an_unreachable_replica_is_excluded_and_the_next_one_tried():
-    stage = Stage({"a": UpstreamError("replica a could not be reached"), "b": Answer(200, [OK])})
+    stage = Stage({"a": Unreachable("replica a could not be reached"), "b": Answer(200, [OK])})
     response = await stage.run(exchange())
     assert response.status == 200 and stage.inner.sent == ["a", "b"]
     assert 'reason="unreachable"} 1.0' in stage.retries()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from kvgate.errors import KvgateError, ReplicaBusy, UpstreamError
+from kvgate.errors import KvgateError, ReplicaBusy, Unreachable, UpstreamError
 from kvgate.fleet.health import CLOSED, HALF_OPEN, OPEN, Breakers
 from kvgate.transport.base import Outcome, UpstreamRequest
 from kvgate.transport.breaker import BreakerTransport
@@ -66,7 +66,7 @@ async def test_a_5xx_says_nothing_at_its_headers_and_is_a_failure_when_it_ends()
 
 
 async def test_a_replica_that_never_answered_is_one_failure_and_the_error_goes_on():
-    inner = ScriptedTransport({"a": UpstreamError("replica a could not be reached")})
+    inner = ScriptedTransport({"a": Unreachable("replica a could not be reached")})
     breakers = Verdicts()
     request = UpstreamRequest(replica("a"), "/v1/chat/completions", b"{}", {}, CONFIG.timeouts,
                               stream=False, holder="req")
