@@ -1,29 +1,42 @@
-"""One request's exchange with the gateway: the record its stages read and fill, in order.
+"""One request's exchange with the gateway: the one record of it, made at the data plane's
+edge (the HTTP middleware, the picker's stream) and filled by the stages in order, each fact
+by one writer:
 
-    front     parsed, tenant, count, fingerprint, edited  parse, identify, normalize, count
-    size      terms, arrival, pool, bound                 vLLM's count, the pool, worst case
-    plan      demand, route, payload                      what to reserve, where, what to send
-    charge    charge                                      the tenant's budget, reserved
-    attempts  attempts, ranking, slot, response, since    admit, forward; again on failover
-    settle    settling                                    the charge corrected
+    edge      request_id, key, started, headers, rt      Exchange.arriving
+    handler   endpoint, raw                              the plane reads the body
+    front     model, tenant_name, fingerprint (as each   FrontStage.take, as it learns them
+              is learned: a refusal is labelled by them)
+              front (parsed, count, edited), tenant      Gateway.take_front
+    size      sized (terms, pool, bound), arrival        Gateway.size
+    plan      planned (demand, route, payload)           Gateway.plan; exclude, on failover
+    charge    charge                                     the budgets' context
+    attempts  attempts, ranking, slot, response, since   Gateway.attempt, the attempts stage
+    settle    settling, charged_tokens                   Gateway.settle
+    end       how it ended                               kvgate.request.ending.finish reads it
 
-A stage reads only what the stages before it filled. The record holds no aiohttp request or
-response object: the client's side stays with the handler and the relay
-(`kvgate.transport.relay`), so the policy stages could serve another data plane.
+A stage reads only what the stages before it filled (reading a stage's result before it is
+there is a bug, and asserts). The record holds no aiohttp request or response object: the
+client's side stays with the handler and the relay (`kvgate.transport.relay`), so the policy
+stages serve either data plane.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
 
 from kvgate.admission.demand import Demand, Slot
 from kvgate.config import TenantConfig
 from kvgate.fleet.snapshot import Fleet
 from kvgate.request.calibration import Terms
 from kvgate.request.catalog import Bound
-from kvgate.request.info import RequestInfo
+from kvgate.request.front import Front
 from kvgate.request.parsed import Endpoint, ParsedRequest
 from kvgate.request.tokens import PromptCount
 from kvgate.routing.ranking import Ranking
@@ -32,41 +45,148 @@ from kvgate.runtime import Runtime
 from kvgate.tenants import Charge
 from kvgate.transport.base import Outcome, UpstreamResponse
 
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """What vLLM will count (`terms`), the pool chosen, and the worst case there."""
+
+    terms: Terms
+    pool: str
+    bound: Bound
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What to reserve, where the request prefers to run, and the body to send."""
+
+    demand: Demand
+    route: Route
+    payload: bytes  # the client's bytes unless kvgate edited them
+
 
 @dataclass(slots=True)
 class Exchange:
+    request_id: str  # the client's X-Request-Id if it sent a sane one, echoed and forwarded
+    key: str  # kvgate's own id for the request: clients may send the same X-Request-Id twice
+    started: float  # monotonic
+    headers: Mapping[str, str]  # the client's (case-insensitive)
     rt: Runtime  # this request's config, whatever a reload does meanwhile
-    info: RequestInfo  # its labels, for metrics, logs and headers
-    endpoint: Endpoint
-    headers: Mapping[str, str]  # the client's
+    endpoint: Endpoint | None = None  # an OpenAI endpoint's request; None: anything else
     raw: bytes = b""  # the client's body
-    # front
-    parsed: ParsedRequest = field(default=None)  # type: ignore[assignment]
-    tenant: TenantConfig = field(default=None)  # type: ignore[assignment]
-    count: PromptCount = field(default=None)  # type: ignore[assignment]
+    # front: labels as the front learns them, then its result
+    model: str = "unknown"
+    tenant_name: str = "unknown"
     fingerprint: str | None = None  # the normalized system prompt and tools
-    edited: bool = False  # normalization changed the body: forwarded serialized
+    front: Front | None = None  # its tenant as the request runs (under its objective)
     # size
-    terms: Terms = field(default=None)  # type: ignore[assignment]
+    sized: Sized | None = None
     arrival: Fleet | None = None  # the fleet at arrival: good for the first ranking if fresh
-    pool: str = ""
-    bound: Bound = field(default=None)  # type: ignore[assignment]
-    # plan
-    demand: Demand = field(default=None)  # type: ignore[assignment]
-    route: Route = field(default=None)  # type: ignore[assignment]
-    payload: bytes = b""  # the body for the replica: the client's bytes unless kvgate edited them
+    # plan (failover excludes a failed replica from its route: `exclude`)
+    planned: Planned | None = None
     # charge
-    charge: Charge = field(default=None)  # type: ignore[assignment]
+    charge: Charge | None = None
     # attempts: one Outcome each; the last is what the tenant pays for
     attempts: list[Outcome] = field(default_factory=lambda: [Outcome()])
     ranking: Ranking | None = None  # the attempt's last ranking: where it preferred to run
-    slot: Slot | None = None  # where the attempt was admitted
+    slot: Slot | None = None  # where the last attempt was admitted
     response: UpstreamResponse | None = None  # the replica's answer to the attempt
     since: float | None = None  # when it first asked for admission, once sent back as busy
     # settle
     settling: asyncio.Future[None] | None = None  # settling begun beside the release
+    charged_tokens: int | None = None  # what the tenant paid in the end
+
+    @classmethod
+    def arriving(cls, headers: Mapping[str, str], rt: Runtime) -> Exchange:
+        """A new request's record, with the client's X-Request-Id where it is sane."""
+        key = os.urandom(16).hex()
+        given = headers.get("X-Request-Id", "")
+        # echoed in a response header: visible ASCII only, nothing a header could be split on
+        request_id = given if 0 < len(given) <= 128 and _VISIBLE_ASCII.fullmatch(given) else key
+        return cls(request_id, key, time.monotonic(), headers, rt)
 
     @property
     def attempt(self) -> Outcome:
         """The attempt under way (or the last one)."""
         return self.attempts[-1]
+
+    # what the stages left, for those after them
+
+    @property
+    def parsed(self) -> ParsedRequest:
+        assert self.front is not None, "read before the front"
+        return self.front.parsed
+
+    @property
+    def count(self) -> PromptCount:
+        assert self.front is not None, "read before the front"
+        return self.front.count
+
+    @property
+    def tenant(self) -> TenantConfig:
+        assert self.front is not None, "read before the front"
+        return self.front.tenant
+
+    @property
+    def bound(self) -> Bound:
+        assert self.sized is not None, "read before the size"
+        return self.sized.bound
+
+    @property
+    def pool(self) -> str:
+        assert self.sized is not None, "read before the size"
+        return self.sized.pool
+
+    @property
+    def demand(self) -> Demand:
+        assert self.planned is not None, "read before the plan"
+        return self.planned.demand
+
+    @property
+    def route(self) -> Route:
+        assert self.planned is not None, "read before the plan"
+        return self.planned.route
+
+    @property
+    def payload(self) -> bytes:
+        assert self.planned is not None, "read before the plan"
+        return self.planned.payload
+
+    def exclude(self, replica_id: str) -> None:
+        """The request goes on elsewhere: never again to `replica_id`."""
+        assert self.planned is not None, "read before the plan"
+        route = self.planned.route
+        self.planned = replace(
+            self.planned, route=replace(route, exclude=route.exclude | {replica_id})
+        )
+
+    # how it went, for the ending's record (`kvgate.request.ending`)
+
+    @property
+    def pool_label(self) -> str:
+        return "none" if self.sized is None else self.sized.pool
+
+    @property
+    def replica(self) -> str | None:
+        return None if self.slot is None else self.slot.replica.id
+
+    @property
+    def delivered(self) -> bool:
+        """The client was sent the whole answer."""
+        return self.attempt.done
+
+    @property
+    def disconnected(self) -> bool:
+        """The client left before it had the whole answer."""
+        return self.attempt.client_disconnected and not self.attempt.done
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first streamed token (or the whole answer)."""
+        first = self.attempt.first_token_at
+        return None if first is None else first - self.started
+
+
+# where the HTTP middleware keeps a request's exchange, for its handler
+EXCHANGE = web.RequestKey("kvgate_exchange", Exchange)

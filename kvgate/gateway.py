@@ -17,6 +17,7 @@ config snapshot, `x.rt` (`kvgate.runtime`), taken when the request starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -29,7 +30,7 @@ from kvgate.admission.progress import processed_tokens, written_tokens
 from kvgate.admission.stage import Admission, Ranker
 from kvgate.config import Config, CurrentConfig, TenantConfig
 from kvgate.errors import BadRequest, NotFound
-from kvgate.exchange import Exchange
+from kvgate.exchange import EXCHANGE, Exchange, Planned, Sized
 from kvgate.fleet.health import Breakers
 from kvgate.fleet.kv_events import KvEvents
 from kvgate.fleet.replicas import Registry, Writing
@@ -47,7 +48,6 @@ from kvgate.request.catalog import (
     vllm_priority,
 )
 from kvgate.request.front import FrontStage
-from kvgate.request.info import REQUEST_INFO
 from kvgate.request.parsed import MODEL_REWRITE, Endpoint, ParsedRequest, read_body
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.routing.ranking import Ranking
@@ -108,7 +108,8 @@ class Gateway:
     async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         """Proxy mode: kvgate reads the client's request and relays the replica's answer."""
         assert self.transport is not None
-        x = Exchange(self.runtime, request[REQUEST_INFO], endpoint, request.headers)
+        x = request[EXCHANGE]
+        x.endpoint = endpoint
         server = x.rt.config.server
         x.raw = await read_body(request, server.max_body_bytes, server.client_timeout_s)
         plane = Plane(self.transport, functools.partial(relay, request))
@@ -132,33 +133,33 @@ class Gateway:
         fingerprinted and forwarded as normalized), count its tokens; a large body in a
         worker process."""
         rt, headers = x.rt, x.headers
+        assert x.endpoint is not None, "the handler names the endpoint"
         front = await self.front.take(
-            x.raw, x.endpoint, rt, x.info,
+            x.raw, x.endpoint, rt, x,
             identify=lambda: rt.directory.identify(headers, remote),
             allow=lambda parsed, tenant: self.allow(rt, parsed, tenant),
             model=headers.get(MODEL_REWRITE),  # the gateway serves it as another model
         )
-        x.parsed, x.count = front.parsed, front.count
-        x.tenant = under_objective(front.tenant, headers.get(OBJECTIVE), rt.config.objectives)
-        x.fingerprint, x.edited = front.fingerprint, front.edited
+        tenant = under_objective(front.tenant, headers.get(OBJECTIVE), rt.config.objectives)
+        x.front = dataclasses.replace(front, tenant=tenant)
 
     def size(self, x: Exchange) -> None:
         """The terms of vLLM's count, the pool, and the worst case there. The pool is chosen
         on a provisional size (`pool_tokens`: the worst case where it does not depend on the
         context, else the prompt); the bound follows, once, under the pool's context."""
         rt, parsed = x.rt, x.parsed
-        x.terms = self.sizing.terms(rt, parsed, x.count)  # vLLM's count, from kvgate's
+        terms = self.sizing.terms(rt, parsed, x.count)  # vLLM's count, from kvgate's
         model = rt.config.model(parsed.model)
-        prompts = prompts_of(x.count, x.terms)
+        prompts = prompts_of(x.count, terms)
         provisional = pool_tokens(parsed, prompts, model, x.tenant)
         first_pool = choose_pool(rt.config.pools, provisional, x.tenant.pools)
         x.arrival = self.fleet(rt.config)
-        x.pool = x.info.pool = self.router.pool(
+        pool = self.router.pool(
             parsed.model, overflow_chain(rt.config.pools, first_pool), x.arrival
         )
-        served_len = x.arrival.max_model_len(parsed.model, x.pool)
-        x.bound = bound_worst_case(parsed, prompts, model, x.tenant, served_len)
-        x.info.prompt_tokens, x.info.max_tokens = x.bound.prompt_tokens, x.bound.max_tokens
+        served_len = x.arrival.max_model_len(parsed.model, pool)
+        bound = bound_worst_case(parsed, prompts, model, x.tenant, served_len)
+        x.sized = Sized(terms, pool, bound)
 
     def plan(self, x: Exchange, plane: Plane[T]) -> None:
         """What to reserve, where the request prefers to run (only on the replicas the data
@@ -166,21 +167,23 @@ class Gateway:
         the answer)."""
         config = x.rt.config
         lane = x.rt.directory.fairness_lane(x.tenant, x.headers.get(FAIRNESS_ID))
-        x.demand = self.sizing.demand(
-            x.pool, x.parsed, x.tenant, x.bound, x.count, x.terms, config, lane
+        assert x.sized is not None and x.front is not None
+        demand = self.sizing.demand(
+            x.pool, x.parsed, x.tenant, x.bound, x.count, x.sized.terms, config, lane
         )
-        x.route = Route(
-            x.demand, session_key(x.parsed, x.headers, config.routing.sessions, x.tenant.name),
+        route = Route(
+            demand, session_key(x.parsed, x.headers, config.routing.sessions, x.tenant.name),
             # the normalized system prompt and tools; else the first message's text
-            prefix=x.fingerprint or x.demand.prefix_key,
-            holder=x.info.key,  # a half-open replica's trial is claimed by this request
+            prefix=x.fingerprint or demand.prefix_key,
+            holder=x.key,  # a half-open replica's trial is claimed by this request
             token_ids=x.count.token_ids,
             exclude=self.outside(plane.subset),
         )
-        x.payload = upstream_payload(
-            x.parsed, x.bound, None if x.edited else x.raw, ask_usage=plane.sees_body,
+        payload = upstream_payload(
+            x.parsed, x.bound, None if x.front.edited else x.raw, ask_usage=plane.sees_body,
             priority=self.priority(x),
         )
+        x.planned = Planned(demand, route, payload)
 
     def priority(self, x: Exchange) -> int | None:
         """vLLM's `priority` for the request where its pool schedules by priority: its
@@ -214,15 +217,13 @@ class Gateway:
         """One attempt: admit on the best replica with room, forward, relay, and begin the
         settling while the slot is still held (its store calls start now, so the release on
         leaving the block goes in the same round trip)."""
-        x.ranking, x.slot = None, None
+        x.ranking = None
         tenant = x.rt.config.tenant(x.route.demand.tenant)
         target_s = tenant.ttft_target_s if tenant is not None else None  # over its class's
         async with self.admission.admit(
             x.route.demand, self.ranker(x), x.rt.config.admission, x.since, target_s
         ) as x.slot:
-            slot, info = x.slot, x.info
-            info.reserved_blocks, info.replica = slot.reserved_blocks, slot.replica.id
-            info.worst_case_blocks, info.queue_wait_s = slot.worst_blocks, slot.queued_s
+            slot = x.slot
             response = await self.forward(plane, x)
             if x.ranking is not None:  # the routing plugins hear where it ran, and how
                 await self.router.served(
@@ -239,7 +240,7 @@ class Gateway:
         attempt.body_seen = plane.sees_body
         x.slot.progress = written_tokens(x.parsed, x.bound, attempt)
         demand = x.route.demand
-        replica.inflight[x.info.key] = Writing(
+        replica.inflight[x.key] = Writing(
             x.slot.progress, demand.shared_keys(replica.kv_block_size)
         )
         token_ids, block_size = x.route.token_ids, replica.kv_block_size
@@ -257,21 +258,21 @@ class Gateway:
         assert x.slot is not None
         replica, rt = x.slot.replica, x.rt
         headers = upstream_headers(
-            x.headers, x.info.request_id, replica,
+            x.headers, x.request_id, replica,
             drop_authorization=rt.config.auth.mode != "none", rank=x.attempt.rank,
         )
         return UpstreamRequest(
             replica, x.parsed.endpoint.value, x.payload, headers, rt.config.timeouts,
-            stream=x.parsed.stream, holder=x.info.key, attempt=x.attempt,
+            stream=x.parsed.stream, holder=x.key, attempt=x.attempt,
         )
 
     def client_headers(self, x: Exchange) -> dict[str, str]:
         """The headers kvgate adds to the client's response."""
-        assert x.slot is not None
+        assert x.slot is not None and x.charge is not None
         headers = {
             **x.charge.headers,
-            "X-Request-Id": x.info.request_id,
-            "X-Kvgate-Pool": x.info.pool,
+            "X-Request-Id": x.request_id,
+            "X-Kvgate-Pool": x.pool,
             "X-Kvgate-Replica": x.slot.replica.id,
         }
         if x.rt.config.server.accounting_headers:
@@ -283,17 +284,15 @@ class Gateway:
         """The replica's connection is done with: what the attempt tells of it and of the
         request, before the slot goes."""
         assert x.slot is not None
-        slot, attempt, info, rt = x.slot, x.attempt, x.info, x.rt
+        slot, attempt, rt = x.slot, x.attempt, x.rt
         replica = slot.replica
         attempt.ended_at = time.monotonic()
-        replica.inflight.pop(info.key, None)
+        replica.inflight.pop(x.key, None)
         if not replica.inflight and self.http is not None:
             # none of ours runs there: its clock may hold from now
             self.http.read_metrics(replica, attempt.ended_at, rt.config.discovery.timeout_s)
         if attempt.busy is not None:  # before the slot goes: it is counted as held there
             self.admission.refused_busy(slot, attempt.busy, rt.config.admission)
-        info.disconnected = attempt.client_disconnected and not attempt.done
-        info.delivered = attempt.done
         self.observe(x)
 
     def ranker(self, x: Exchange) -> Ranker:
@@ -339,7 +338,7 @@ class Gateway:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             if outcome.done and not outcome.upstream_failed:
                 sequences = x.bound.prompts * parsed.sequences
-                shape = self.sizing.shape(parsed, x.info.tenant, x.bound)
+                shape = self.sizing.shape(parsed, x.tenant_name, x.bound)
                 self.lengths.observe(shape, completion // sequences)
         elif outcome.caused_no_work(parsed.stream):
             return  # refunded on exit
@@ -348,7 +347,8 @@ class Gateway:
             # the replica was still computing: what the replica processed until it ended
             await self.settle_unreported(x)
             return
-        x.info.charged_tokens = prompt + completion
+        assert x.charge is not None  # settling runs inside the charge
+        x.charged_tokens = prompt + completion
         await self.budgets.settle(x.charge, prompt, completion)
 
     def calibrate(self, x: Exchange, prompt_tokens: int) -> None:
@@ -368,21 +368,21 @@ class Gateway:
         if not x.attempt.counted(x.parsed.stream) and self.http is not None:
             await self.http.figures_after(x.attempt, x.rt.config.discovery.timeout_s)
         completion = processed_tokens(x.parsed, x.bound, x.attempt)
-        x.info.charged_tokens = x.bound.prompt_tokens + completion
+        assert x.charge is not None  # settling runs inside the charge
+        x.charged_tokens = x.bound.prompt_tokens + completion
         await self.budgets.settle(x.charge, x.bound.prompt_tokens, completion)
 
     def observe(self, x: Exchange) -> None:
         assert x.slot is not None
-        info, outcome, slot = x.info, x.attempt, x.slot
-        if outcome.first_token_at is not None:
-            info.ttft_s = outcome.first_token_at - info.started
-            self.metrics.ttft.labels(info.pool, info.model).observe(info.ttft_s)
+        outcome, slot, ttft_s = x.attempt, x.slot, x.ttft_s
+        if ttft_s is not None:
+            self.metrics.ttft.labels(x.pool, x.model).observe(ttft_s)
         used = x.bound.prompt_tokens + outcome.completion_tokens()
         if outcome.usage is not None:
             used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
         block_size = slot.replica.kv_block_size
         if slot.reserved_blocks > 0:
-            self.metrics.efficiency.labels(info.pool).observe(
+            self.metrics.efficiency.labels(x.pool).observe(
                 min(1.0, math.ceil(used / block_size) / slot.reserved_blocks)
             )
 

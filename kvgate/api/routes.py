@@ -13,11 +13,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
+from kvgate.exchange import EXCHANGE, Exchange
 from kvgate.fleet.drain import set_drain
 from kvgate.fleet.snapshot import BASES
 from kvgate.gateway import Gateway
 from kvgate.request.ending import CLIENT_LEFT, finish
-from kvgate.request.info import REQUEST_INFO, new_request_info
 from kvgate.request.parsed import Endpoint
 from kvgate.workers import PEERS
 
@@ -44,12 +44,11 @@ def error_response(error: KvgateError, request_id: str | None = None) -> web.Res
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves here as OpenAI's error body; client mistakes never as a 500. Every
     API request's ending is recorded here once (`kvgate.request.ending.finish`)."""
-    info = new_request_info(request)
-    request[REQUEST_INFO] = info
     gateway = request.app[GATEWAY]
+    x = request[EXCHANGE] = Exchange.arriving(request.headers, gateway.runtime)
 
     def ended(status: int, error: BaseException | None = None) -> None:
-        finish(gateway.metrics, gateway.runtime.config, info, status, error)
+        finish(gateway.metrics, x.rt.config, x, status, error)
 
     try:
         response = await handler(request)
@@ -58,17 +57,17 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise
     except KvgateError as exc:
         ended(exc.status, exc)
-        return error_response(exc, info.request_id)
+        return error_response(exc, x.request_id)
     except web.HTTPException as exc:
         error = _from_http(exc)
         if error is None:
             raise
-        return error_response(error, info.request_id)
+        return error_response(error, x.request_id)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         error = ServerError("kvgate failed to handle this request; see its logs")
         ended(error.status, error)
-        return error_response(error, info.request_id)
+        return error_response(error, x.request_id)
     if request.path.startswith("/v1/") and request.method == "POST":
         ended(response.status)
     return response

@@ -52,7 +52,6 @@ from kvgate.errors import (
 from kvgate.exchange import Exchange
 from kvgate.gateway import Gateway
 from kvgate.request.ending import CLIENT_LEFT, finish
-from kvgate.request.info import RequestInfo, request_info
 from kvgate.request.parsed import Endpoint
 from kvgate.transport.breaker import BreakerTransport
 from kvgate.transport.plane import Plane
@@ -121,14 +120,15 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         client = CIMultiDictProxy(CIMultiDict(
             (name, value) for name, value in pairs if not name.startswith(":")
         ))
-        info = request_info(client)
+        x = Exchange.arriving(client, self.gateway.runtime)
         endpoint = ENDPOINTS.get(path)
         if endpoint is None or method != "POST":
-            await self.not_a_request(stream, info, method, path, endpoint is not None)
+            await self.not_a_request(stream, x, method, path, endpoint is not None)
             return
+        x.endpoint = endpoint
         envoy = EnvoyRequest(stream, client)
         envoy.bodyless = first.request_headers.end_of_stream
-        work = asyncio.ensure_future(self.decide(stream, first, info, endpoint, envoy))
+        work = asyncio.ensure_future(self.decide(stream, first, x, envoy))
         try:
             await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -148,8 +148,7 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         await stream.pass_through()
 
     async def decide(
-        self, stream: EnvoyStream, first: ProcessingRequest, info: RequestInfo,
-        endpoint: Endpoint, envoy: EnvoyRequest,
+        self, stream: EnvoyStream, first: ProcessingRequest, x: Exchange, envoy: EnvoyRequest
     ) -> None:
         """The request path for one OpenAI request, recorded by how it ended."""
         try:
@@ -159,7 +158,6 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             ) if mode == DUPLEX)
             if request_mode != DUPLEX:  # in full duplex, the headers' answer is the pick
                 await stream.answer(headers_reply("request_headers", {}, remove=SYSTEM_OWNED))
-            x = Exchange(self.gateway.runtime, info, endpoint, envoy.incoming)
             envoy.sees_body = response_mode != ProcessingMode.NONE
             x.raw = envoy.raw = await self.body(stream, first, x.rt.config.server.max_body_bytes)
             plane = Plane(
@@ -168,37 +166,37 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             )
             await self.gateway.run(x, source_address(first), plane)
         except asyncio.CancelledError as exc:  # Envoy reset the stream: the client left
-            self.ended(info, CLIENT_LEFT, exc)
+            self.ended(x, CLIENT_LEFT, exc)
             raise
         except Exception as exc:
             if not isinstance(exc, KvgateError):
-                log.exception("unhandled error processing %s", endpoint.value)
+                log.exception("unhandled error processing %s", x.endpoint and x.endpoint.value)
             error = exc if isinstance(exc, KvgateError) else ServerError(
                 "kvgate failed to handle this request; see its logs"
             )
-            self.ended(info, error.status, error)
-            if await stream.answer_if_pending(immediate(error, info.request_id)):
+            self.ended(x, error.status, error)
+            if await stream.answer_if_pending(immediate(error, x.request_id)):
                 envoy.finished = True  # the client has kvgate's answer instead
         else:
-            self.ended(info, 200)
+            self.ended(x, 200)
 
-    def ended(self, info: RequestInfo, status: int, error: BaseException | None = None) -> None:
-        finish(self.gateway.metrics, self.gateway.runtime.config, info, status, error)
+    def ended(self, x: Exchange, status: int, error: BaseException | None = None) -> None:
+        finish(self.gateway.metrics, x.rt.config, x, status, error)
 
     async def not_a_request(
-        self, stream: EnvoyStream, info: RequestInfo, method: str, path: str, known: bool
+        self, stream: EnvoyStream, x: Exchange, method: str, path: str, known: bool
     ) -> None:
         """What kvgate's own port answers for it: its model list, a 405 or a 404."""
         if method == "GET" and path == MODELS:
             await stream.answer(immediate_json(
-                200, self.gateway.registry.model_list(), {"x-request-id": info.request_id}, "kvgate_models"
+                200, self.gateway.registry.model_list(), {"x-request-id": x.request_id}, "kvgate_models"
             ))
             return
         error: KvgateError = (
             MethodNotAllowed("method not allowed here; use POST", headers={"Allow": "POST"})
             if known else NotFound("no such endpoint", code="unknown_url")
         )
-        await stream.answer(immediate(error, info.request_id))
+        await stream.answer(immediate(error, x.request_id))
 
     async def body(self, stream: EnvoyStream, first: ProcessingRequest, limit: int) -> bytes:
         """The request's whole body: in the one message Envoy buffers it in, left awaiting its

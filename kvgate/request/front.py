@@ -54,10 +54,11 @@ WORKERS = 2
 
 
 class Labels(Protocol):
-    """What the front tells a request's labels as it learns it (`kvgate.request.info.RequestInfo`)."""
+    """What the front tells a request's record as it learns it (`kvgate.exchange.Exchange`):
+    a request refused midway is labelled by what was known."""
 
     model: str
-    tenant: str
+    tenant_name: str
     fingerprint: str | None
 
 
@@ -124,7 +125,7 @@ class FrontStage:
         as_sent = with_model(client, model)
         labels.model = as_sent.model
         tenant = identify()
-        labels.tenant = tenant.name
+        labels.tenant_name = tenant.name
         allow(as_sent, tenant)
         parsed, labels.fingerprint = self.prompts.apply(as_sent, tenant, rt.config)
         count = await rt.catalog.count(parsed)
@@ -156,7 +157,7 @@ class FrontStage:
         if denied is not None:
             raise denied
         assert tenant is not None and taken.prepared is not None
-        labels.tenant = tenant.name
+        labels.tenant_name = tenant.name
         allow(taken.request, tenant)  # by its model: normalization leaves that as it was
         prepared = replace(taken.prepared, request=heavy(taken.request))
         self.prompts.took(prepared, tenant, rt.config)

@@ -18,7 +18,6 @@ end, a half-open replica's trial the request claimed and never used goes to the 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -69,11 +68,11 @@ class Attempts:
                     reason = retry_reason(exc, x.attempt, retry) if retries else None
                     if reason is None or failures >= retry.attempts:
                         raise
-                    replica = x.info.replica
+                    replica = x.replica
                     assert replica is not None  # the failed attempt was admitted there
-                    self.metrics.upstream_retries.labels(x.info.pool, reason).inc()
-                    x.route = dataclasses.replace(x.route, exclude=x.route.exclude | {replica})
+                    self.metrics.upstream_retries.labels(x.demand.pool, reason).inc()
+                    x.exclude(replica)
                     failed, failures = exc, failures + 1
                 x.attempts.append(Outcome())
         finally:
-            self.breakers.release(x.info.key)
+            self.breakers.release(x.key)

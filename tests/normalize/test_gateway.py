@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.app import build_app
-from kvgate.request.info import REQUEST_INFO, RequestInfo
+from kvgate.exchange import EXCHANGE, Exchange
 from tests.plugins import bodies
 from tests.plugins.gateway import RunningGateway, gateway_config, serve_app
 from tests.plugins.waiting import eventually
@@ -151,14 +151,14 @@ async def test_admin_prompts_shows_no_prompt_text_by_default(stub_factory, gatew
 async def test_the_request_carries_its_prefix_fingerprint_for_routing(stub_factory):
     stub = await stub_factory()
     app = build_app(gateway_config([stub.url]))
-    seen: list[RequestInfo] = []
+    seen: list[Exchange] = []
 
     @web.middleware
     async def keep_info(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
         finally:
-            seen.append(request[REQUEST_INFO])
+            seen.append(request[EXCHANGE])
 
     app.middlewares.append(keep_info)
     runner, url = await serve_app(app)
@@ -170,7 +170,7 @@ async def test_the_request_carries_its_prefix_fingerprint_for_routing(stub_facto
         await post(gw, {"model": "stub-model", "messages": [{"role": "user", "content": "x"}]})
     finally:
         await runner.cleanup()
-    keys = [info.fingerprint for info in seen]
+    keys = [x.fingerprint for x in seen]
     assert keys[0] == keys[1] and isinstance(keys[0], str) and keys[2] is None
 
 

@@ -11,17 +11,21 @@ import pytest
 
 from kvgate.config import parse_config
 from kvgate.errors import ServerError, Unauthorized
+from kvgate.exchange import Exchange
 from kvgate.metrics import Metrics
 from kvgate.request.ending import CLIENT_LEFT, finish
-from kvgate.request.info import RequestInfo
+from kvgate.runtime import Runtime
+from kvgate.transport.base import Outcome
 
 CONFIG = parse_config({"pools": {"default": {"replicas": [{"url": "http://a:8000"}]}},
                        "server": {"access_log": True}})
 
 
-def info(**fields: object) -> RequestInfo:
-    return RequestInfo(request_id="r", started=0.0, key="k", model="m", pool="p", tenant="t",
-                       **fields)  # type: ignore[arg-type]
+def exchange(disconnected: bool = False, delivered: bool = False) -> Exchange:
+    x = Exchange("r", "k", 0.0, {}, Runtime.load(CONFIG))
+    x.model, x.tenant_name = "m", "t"
+    x.attempts = [Outcome(client_disconnected=disconnected, done=delivered)]
+    return x
 
 
 @pytest.mark.parametrize(("fields", "status", "error", "outcome", "reason"), [
@@ -39,7 +43,7 @@ def test_each_ending_is_counted_once_and_logged_with_its_outcome(
 ):
     metrics = Metrics()
     with caplog.at_level(logging.INFO, logger="kvgate.access"):
-        finish(metrics, CONFIG, info(**fields), status, error)
+        finish(metrics, CONFIG, exchange(**fields), status, error)
     counted = {s.labels["outcome"]: s.value for s in metrics.requests.collect()[0].samples
                if s.name.endswith("_total") and s.value}  # fmt: skip
     assert counted == {outcome: 1.0}

@@ -9,12 +9,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from kvgate.admission.demand import Demand
+from kvgate.admission.demand import Demand, Slot
 from kvgate.errors import NoReplica, Unreachable, UpstreamError
-from kvgate.exchange import Exchange
+from kvgate.exchange import Exchange, Planned
 from kvgate.fleet.health import Breakers
 from kvgate.metrics import Metrics
-from kvgate.request.info import RequestInfo
 from kvgate.request.parsed import Endpoint
 from kvgate.routing.route import Route
 from kvgate.runtime import Runtime
@@ -32,10 +31,9 @@ STREAMED = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
 
 
 def exchange(rt: Runtime = RETRY_ONCE, stream: bool = False) -> Exchange:
-    x = Exchange(rt, RequestInfo("req", 0.0, "key"), Endpoint.CHAT, {})
-    x.info.pool = "default"
-    x.route = Route(Demand("default", "m", 100, "t", "normal"))
-    x.payload = b'{"stream": true}' if stream else b"{}"
+    x = Exchange("req", "key", 0.0, {}, rt, Endpoint.CHAT)
+    demand = Demand("default", "m", 100, "t", "normal")
+    x.planned = Planned(demand, Route(demand), b'{"stream": true}' if stream else b"{}")
     return x
 
 
@@ -55,11 +53,11 @@ class Stage:
         names = [n for n in self.inner.script if n not in x.route.exclude | busy]
         if not names:
             raise NoReplica("no replica takes it")
-        x.info.replica = names[0]
         x.attempt.replica = replica(names[0])
+        x.slot = Slot(x.attempt.replica, "lease", 1)  # admitted there
         request = UpstreamRequest(
             x.attempt.replica, "/v1/chat/completions", x.payload, {}, x.rt.config.timeouts,
-            stream=x.payload != b"{}", holder=x.info.key, attempt=x.attempt,
+            stream=x.payload != b"{}", holder=x.key, attempt=x.attempt,
         )
         return await relay(client, await self.transport.send(request), {}, False)
 
