@@ -11,7 +11,7 @@ by one writer:
     plan      planned (demand, route, payload)           Gateway.plan; exclude, on failover
     charge    charge                                     the budgets' context
     attempts  attempts, ranking, slot, response, since   Gateway.attempt, the attempts stage
-    settle    settling, charged_tokens                   Gateway.settle
+    settle    settling, charged_tokens                   Settlement.settle
     end       how it ended                               kvgate.request.ending.finish reads it
 
 A stage reads only what the stages before it filled (reading a stage's result before it is

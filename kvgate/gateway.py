@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from kvgate.admission.prediction import LengthModel
-from kvgate.admission.progress import processed_tokens, written_tokens
+from kvgate.admission.progress import written_tokens
+from kvgate.admission.sizing import Sizing
 from kvgate.admission.stage import Admission, Ranker
 from kvgate.config import Config, CurrentConfig, TenantConfig
 from kvgate.errors import BadRequest, NotFound
@@ -39,7 +39,7 @@ from kvgate.fleet.view import FleetView
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.protect import begin, finish
-from kvgate.request.calibration import Calibration, Observed
+from kvgate.request.calibration import Calibration
 from kvgate.request.catalog import (
     bound_worst_case,
     pool_tokens,
@@ -49,13 +49,13 @@ from kvgate.request.catalog import (
 )
 from kvgate.request.front import FrontStage
 from kvgate.request.parsed import MODEL_REWRITE, Endpoint, ParsedRequest, read_body
+from kvgate.request.settle import Settlement
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
 from kvgate.routing.router import Router
 from kvgate.routing.sessions import session_key
 from kvgate.runtime import Runtime
-from kvgate.sizing import Sizing
 from kvgate.state.base import StateStore
 from kvgate.tenants import FAIRNESS_ID, OBJECTIVE, Budgets, check_access, under_objective
 from kvgate.transport.attempts import Attempts
@@ -93,10 +93,15 @@ class Gateway:
     transport: Transport | None = None
     sizing: Sizing = field(init=False)
     attempts: Attempts = field(init=False)
+    settlement: Settlement = field(init=False)
 
     def __post_init__(self) -> None:
         self.sizing = Sizing(self.calibration, self.metrics, self.lengths)
         self.attempts = Attempts(self.breakers, self.metrics)
+        self.settlement = Settlement(
+            self.budgets, self.calibration, self.lengths, self.sizing, self.metrics,
+            lambda: self.http,
+        )
 
     def connect(self, http: HttpTransport) -> HttpTransport | None:
         """Send from now on over `http`; the transport it replaces, if any (its requests
@@ -126,7 +131,7 @@ class Gateway:
                 attempt = functools.partial(self.attempt, plane)
                 return await self.attempts.run(x, attempt, retries=plane.retries)
             finally:  # settle on every ending, whatever cancellation arrives meanwhile
-                await finish(x.settling if x.settling is not None else self.settle(x))
+                await finish(x.settling if x.settling is not None else self.settlement.settle(x))
 
     async def take_front(self, x: Exchange, remote: str | None) -> None:
         """Parse and validate, identify the tenant, normalize the prompt (counted,
@@ -141,7 +146,8 @@ class Gateway:
             model=headers.get(MODEL_REWRITE),  # the gateway serves it as another model
         )
         tenant = under_objective(front.tenant, headers.get(OBJECTIVE), rt.config.objectives)
-        x.front = dataclasses.replace(front, tenant=tenant)
+        # (dataclasses.replace costs microseconds: only where an objective changed the class)
+        x.front = front if tenant is front.tenant else dataclasses.replace(front, tenant=tenant)
 
     def size(self, x: Exchange) -> None:
         """The terms of vLLM's count, the pool, and the worst case there. The pool is chosen
@@ -229,7 +235,7 @@ class Gateway:
                 await self.router.served(
                     x.route, x.ranking, slot.replica.id, x.rt.config.routing, x.attempt.status
                 )
-            x.settling = begin(self.settle(x))
+            x.settling = begin(self.settlement.settle(x))
             return response
 
     async def forward(self, plane: Plane[T], x: Exchange) -> T:
@@ -293,7 +299,7 @@ class Gateway:
             self.http.read_metrics(replica, attempt.ended_at, rt.config.discovery.timeout_s)
         if attempt.busy is not None:  # before the slot goes: it is counted as held there
             self.admission.refused_busy(slot, attempt.busy, rt.config.admission)
-        self.observe(x)
+        self.settlement.observe(x)
 
     def ranker(self, x: Exchange) -> Ranker:
         """Ranks replicas for the request's route against a fresh fleet snapshot on every
@@ -324,67 +330,6 @@ class Gateway:
             return False
         reserved = self.admission.reserved
         return all(v.reserved_blocks == reserved.get(v.id, 0) for v in fleet)
-
-    async def settle(self, x: Exchange) -> None:
-        """Correct the tenant's charge to what the replica processed in the last attempt;
-        unsettled charges (nothing reached the replica) are refunded whole when the budget's
-        context exits."""
-        parsed, count, outcome = x.parsed, x.count, x.attempt
-        usage = outcome.usage
-        if usage is not None:
-            # an image's true cost, or a prompt vLLM truncated, would only skew the text's fit
-            if not count.media_tokens and parsed.body.get("truncate_prompt_tokens") is None:
-                self.calibrate(x, usage.prompt_tokens)
-            prompt, completion = usage.prompt_tokens, usage.completion_tokens
-            if outcome.done and not outcome.upstream_failed:
-                sequences = x.bound.prompts * parsed.sequences
-                shape = self.sizing.shape(parsed, x.tenant_name, x.bound)
-                self.lengths.observe(shape, completion // sequences)
-        elif outcome.caused_no_work(parsed.stream):
-            return  # refunded on exit
-        else:
-            # the client left, the stream broke, or kvgate gave up waiting for a whole answer
-            # the replica was still computing: what the replica processed until it ended
-            await self.settle_unreported(x)
-            return
-        assert x.charge is not None  # settling runs inside the charge
-        x.charged_tokens = prompt + completion
-        await self.budgets.settle(x.charge, prompt, completion)
-
-    def calibrate(self, x: Exchange, prompt_tokens: int) -> None:
-        """The replica's own count of the prompt teaches the calibration of kvgate's."""
-        parsed, count, rt = x.parsed, x.count, x.rt
-        prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
-        endpoint = count.fit_name(parsed.endpoint.name.lower())
-        observed = self.calibration.observe(
-            parsed.model, endpoint, count.features, prompt_tokens, prior, rt.config.calibration
-        )  # its gauges follow once a second (app.calibration_gauges)
-        if observed is Observed.OUTLIER:
-            self.metrics.calibration_outliers.labels(parsed.model, endpoint).inc()
-
-    async def settle_unreported(self, x: Exchange) -> None:
-        """Charge what the replica processed for a request whose usage never came; for a
-        whole answer, by its decode clock read once more after the answer ended."""
-        if not x.attempt.counted(x.parsed.stream) and self.http is not None:
-            await self.http.figures_after(x.attempt, x.rt.config.discovery.timeout_s)
-        completion = processed_tokens(x.parsed, x.bound, x.attempt)
-        assert x.charge is not None  # settling runs inside the charge
-        x.charged_tokens = x.bound.prompt_tokens + completion
-        await self.budgets.settle(x.charge, x.bound.prompt_tokens, completion)
-
-    def observe(self, x: Exchange) -> None:
-        assert x.slot is not None
-        outcome, slot, ttft_s = x.attempt, x.slot, x.ttft_s
-        if ttft_s is not None:
-            self.metrics.ttft.labels(x.pool, x.model).observe(ttft_s)
-        used = x.bound.prompt_tokens + outcome.completion_tokens()
-        if outcome.usage is not None:
-            used = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
-        block_size = slot.replica.kv_block_size
-        if slot.reserved_blocks > 0:
-            self.metrics.efficiency.labels(x.pool).observe(
-                min(1.0, math.ceil(used / block_size) / slot.reserved_blocks)
-            )
 
     def allow(self, rt: Runtime, parsed: ParsedRequest, tenant: TenantConfig) -> None:
         """The tenant may use the model (403), and the model exists (404)."""

@@ -41,8 +41,8 @@ from kvgate.epp.stream import (
     unchanged,
 )
 from kvgate.errors import BadAnswer, LateAnswer, NoHeadersInTime, StreamBroke, Unreachable
-from kvgate.idle import IdleTimeout
 from kvgate.transport.base import Outcome, UpstreamRequest, UpstreamResponse
+from kvgate.transport.idle import IdleTimeout
 from kvgate.transport.relay import Events, judge_whole, wrote
 
 # Envoy's response flags that say the replica was never reached, or did not answer in time.

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from kvgate.admission.backpressure import overload_reason
 from kvgate.errors import BadAnswer, KvgateError, LateAnswer, ReplicaBusy, StreamBroke
-from kvgate.idle import IdleTimeout
 from kvgate.transport.base import Outcome, UpstreamResponse, Usage
+from kvgate.transport.idle import IdleTimeout
 
 DONE = b"data: [DONE]\n\n"  # a stream's last event: the client has the whole answer
 
@@ -142,7 +142,7 @@ async def _relay_stream(
         # One idle timeout for the whole stream, both while reading from the replica and
         # while writing to the client (a client that stops reading holds no more than the
         # transport's buffer, and only for one idle gap), and the total deadline; each
-        # chunk only notes the time (see kvgate/idle.py).
+        # chunk only notes the time (see kvgate/transport/idle.py).
         until = asyncio.get_running_loop().time() + (answer.deadline - time.monotonic())
         async with IdleTimeout(idle, until) as limit:
             await events.pump(answer.readany, limit)

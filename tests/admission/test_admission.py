@@ -190,11 +190,13 @@ async def test_cancellation_while_queued_frees_the_slot(harness):
     async with admit(harness, demand(16 * 10), r):
         waiter = asyncio.create_task(_admit_and_hold(harness, r, 16 * 5))
         await eventually(lambda: len(harness.admission.pool("p").queue) == 1)
-        await eventually(lambda: len(harness.admission.pool("p").queue) == 1)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         assert len(harness.admission.pool("p").queue) == 0
-    await asyncio.sleep(0.1)  # the dispatcher runs; nothing may be placed for the leaver
+    # the dispatcher runs on the release: were anything placed for the leaver, the whole
+    # replica could not be admitted again (its blocks held for ever), and this would time out
+    async with asyncio.timeout(5), admit(harness, demand(16 * 10), r):
+        assert await harness.held(r) == 10
     assert await harness.held(r) == 0
 
 

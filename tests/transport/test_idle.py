@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvgate.idle import IdleTimeout
+from kvgate.transport.idle import IdleTimeout
 
 
 async def test_no_touch_for_the_idle_period_raises_timeout_error():
