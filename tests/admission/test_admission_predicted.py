@@ -48,6 +48,12 @@ class Gate:
         return await self.store.held(ledger_key(r.id))
 
 
+async def queued(gate: Gate, waiting: int) -> None:
+    """Until `waiting` requests wait in the pool's queue (a task just made has not yet)."""
+    pool = gate.admission.pool("p")
+    await eventually(lambda: len(pool.queue) == waiting, what=f"{waiting} waiting")
+
+
 @pytest.fixture
 async def gate() -> AsyncIterator[Gate]:
     g = Gate(AdmissionConfig(target_utilization=1.0,
@@ -104,7 +110,7 @@ async def test_a_request_that_fits_nowhere_yet_does_not_hold_back_smaller_ones(g
     r = replica("a", blocks=100)
     async with admit(gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
         big = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "t", "standard"), r))
-        await asyncio.sleep(0.05)
+        await queued(gate, 1)
         async with asyncio.timeout(1):  # passes the big one waiting at the head
             async with admit(gate, Demand("p", "m", 16 * 30, "u", "standard"), r):
                 assert await gate.held(r) == 90
@@ -181,7 +187,7 @@ async def test_a_waiting_critical_request_is_not_passed_by_standard_ones(gate):
     r = replica("a", blocks=100)
     async with admit(gate, Demand("p", "m", 16 * 80, "t", "standard"), r) as first:
         critical = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 50, "vip", "critical"), r))
-        await asyncio.sleep(0.05)
+        await queued(gate, 1)
         small = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), r))
         await asyncio.sleep(0.2)
         assert not small.done()  # 10 blocks are free, but the critical request waits for them
@@ -194,7 +200,7 @@ async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_r
     full, idle = replica("full", blocks=100), replica("idle", blocks=100)
     async with admit(gate, Demand("p", "m", 16 * 95, "t", "standard"), full):
         stuck = asyncio.create_task(enter(gate, Demand("p", "m", 16 * 10, "t", "standard"), full))
-        await asyncio.sleep(0.05)
+        await queued(gate, 1)
         async with asyncio.timeout(1):
             assert await enter(gate, Demand("p", "m", 16 * 20, "u", "standard"), idle) == 20
         assert not stuck.done()
@@ -219,10 +225,20 @@ async def slow_gate() -> AsyncIterator[Gate]:
 async def test_no_early_refusal_while_the_request_could_start_now(slow_gate):
     r = replica("a", blocks=100)
     async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
-        # a large request of the same class waits for 80 blocks; a small one fits in the
-        # 40 free and may pass it: it is not refused for the large one's wait
-        large = asyncio.create_task(enter(slow_gate, Demand("p", "m", 16 * 80, "u", "standard"), r))
-        await asyncio.sleep(0.05)
+        # a large request of the same class (no target of its own: it waits, where one with
+        # the pool's 1 s target would be refused at arrival) waits for 80 blocks; a small one
+        # fits in the 40 free and may pass it: it is not refused for the large one's wait
+        patient = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=600))
+
+        async def wait_for_80() -> None:
+            large_one = Demand("p", "m", 16 * 80, "u", "standard")
+            async with slow_gate.admission.admit(
+                large_one, in_order(slow_gate.admission, [r]), patient
+            ):
+                await asyncio.sleep(60)
+
+        large = asyncio.create_task(wait_for_80())
+        await queued(slow_gate, 1)
         async with asyncio.timeout(1):
             assert await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r) == 62
         large.cancel()
@@ -236,7 +252,7 @@ async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_no
     async with admit(slow_gate, Demand("p", "m", 16 * 60, "t", "standard"), r):
         critical = asyncio.create_task(
             enter(slow_gate, Demand("p", "m", 16 * 80, "vip", "critical"), r))
-        await asyncio.sleep(0.05)
+        await queued(slow_gate, 1)
         with pytest.raises(RateLimited) as refused:
             await enter(slow_gate, Demand("p", "m", 16 * 2, "t", "standard"), r)
         assert refused.value.code == "wait_budget_exceeded"
@@ -310,7 +326,7 @@ async def test_a_request_let_in_waits_past_its_target_rather_than_being_refused_
     async with dispatching(g):
         async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
             waiting = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
-            await asyncio.sleep(0.05)  # queued
+            await queued(g, 1)
             await elapse(g, clock, 0.3)
             assert not waiting.done()
         assert await waiting == 50
@@ -340,7 +356,7 @@ async def test_with_no_target_a_large_request_stops_being_passed_after_half_of_m
     async with dispatching(g):
         async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
             large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
-            await asyncio.sleep(0.05)
+            await queued(g, 1)
             assert await enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r) == 70  # passes
             await elapse(g, clock, 0.55)  # the large one has aged
             small = asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r))
@@ -368,9 +384,9 @@ async def test_an_aged_request_passed_over_in_a_pass_still_holds_everyone_back()
     async with dispatching(g):
         async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
             young = asyncio.create_task(wait(Demand("p", "m", 16 * 45, "x", "standard"), patient))
-            await asyncio.sleep(0.05)
+            await queued(g, 1)
             aged = asyncio.create_task(wait(Demand("p", "m", 16 * 50, "y", "standard"), hurried))
-            await asyncio.sleep(0.05)
+            await queued(g, 2)
             await elapse(g, clock, 0.55)  # the second has aged; the first, ahead of it, has not
             small = asyncio.create_task(wait(Demand("p", "m", 16 * 10, "z", "standard"), patient))
             await asyncio.sleep(0.1)
@@ -439,9 +455,9 @@ async def test_a_replica_that_comes_up_is_taken_by_requests_passed_over_within_r
 
     async with dispatching(g), admit(g, Demand("p", "m", 16 * 95, "t", "standard"), full):
         head = asyncio.create_task(wait(10, "x", [full]))
-        await asyncio.sleep(0.05)
+        await queued(g, 1)
         behind = [asyncio.create_task(wait(20 + n, f"y{n}", fleet)) for n in range(2)]
-        await asyncio.sleep(0.05)
+        await queued(g, 3)
         fleet.append(fresh)  # it came up
         await elapse(g, clock, RERANK_S)
 
@@ -510,7 +526,7 @@ async def test_a_request_of_the_same_size_queued_ahead_is_counted_when_nothing_f
     r = replica("a", blocks=100)
     async with dispatching(g), admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
         first = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
-        await asyncio.sleep(0.05)
+        await queued(g, 1)
         with pytest.raises(RateLimited) as refused:
             async with asyncio.timeout(2):  # refused at once, not let in to wait
                 await enter(g, Demand("p", "m", 16 * 50, "u", "standard"), r)
@@ -554,10 +570,10 @@ async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
     r = replica("a", blocks=100)
     async with dispatching(g), admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
         large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
-        await asyncio.sleep(0.05)  # queued
+        await queued(g, 1)
         await elapse(g, clock, 0.25)  # aged, within its target
         held_back = asyncio.create_task(enter(g, Demand("p", "m", 16 * 10, "u", "standard"), r))
-        await asyncio.sleep(0.05)
+        await queued(g, 2)
         assert not held_back.done()
         await elapse(g, clock, 0.3)  # past its target: the small one passes
         async with asyncio.timeout(1):
