@@ -81,8 +81,38 @@ def bootstrap(
     itself, which kvgate reads from the response flags). `picker_tls`: the picker serves TLS
     (`server.epp.tls`, on by default); Envoy does not verify its certificate, as the gateways'
     charts do not for the reference picker's own."""
+    filters = [] if picker is None else [
+        *_subset_hint(subset), _ext_proc(response_body, failure_mode_allow, message_timeout_s),
+    ]
+    clusters = [
+        _cluster("pool", replicas, load_balancing_policy=_pick_or_round_robin(),
+                 per_connection_buffer_limit_bytes=max_body_bytes),
+    ]
+    if picker is not None:
+        clusters.append(_picker_cluster(picker, picker_tls))
+    config: dict[str, Any] = {
+        "static_resources": {
+            "listeners": [{
+                "name": "openai",
+                "address": _address(listen),
+                "per_connection_buffer_limit_bytes": max_body_bytes,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": _connection_manager(filters, total_s, idle_s),
+                }]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+    if admin is not None:
+        config["admin"] = {"address": _address(admin)}
+    return config
+
+
+def _ext_proc(response_body: str, failure_mode_allow: bool, message_timeout_s: float) -> dict[str, Any]:
+    """The ext_proc filter that asks kvgate (the `kvgate` cluster) where each request goes."""
     duplex = response_body == "FULL_DUPLEX_STREAMED"
-    ext_proc = {
+    return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": f"{_TYPES}.filters.http.ext_proc.v3.ExternalProcessor",
@@ -109,13 +139,24 @@ def bootstrap(
             },
         },
     }
-    hint = [] if subset is None else [{
+
+
+def _subset_hint(subset: Sequence[str] | None) -> list[dict[str, Any]]:
+    """The endpoints kvgate may pick from, as a gateway sets them per route (none: any)."""
+    return [] if subset is None else [{
         "name": "envoy.filters.http.set_metadata",
         "typed_config": {
             "@type": f"{_TYPES}.filters.http.set_metadata.v3.Config",
             "metadata": [{"metadata_namespace": SUBSET_NAMESPACE, "value": {SUBSET: list(subset)}}],
         },
     }]
+
+
+def _connection_manager(
+    filters: list[dict[str, Any]], total_s: float, idle_s: float
+) -> dict[str, Any]:
+    """The OpenAI listener's HTTP: one route to the pool, under Envoy's own timeouts, its
+    answer marked with where it went and how (kvgate reads both, the client sees neither)."""
     route = {
         "match": {"prefix": "/"},
         "route": {"cluster": "pool", "timeout": f"{total_s:g}s", "idle_timeout": f"{idle_s:g}s"},
@@ -124,7 +165,7 @@ def bootstrap(
             {"header": {"key": FLAGS, "value": "%RESPONSE_FLAGS%"}},
         ],
     }
-    manager = {
+    return {
         "@type": f"{_TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "openai",
         "codec_type": "AUTO",
@@ -136,13 +177,17 @@ def bootstrap(
         "path_with_escaped_slashes_action": "REJECT_REQUEST",
         "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": [route]}]},
         "http_filters": [
-            *([] if picker is None else [*hint, ext_proc]),
+            *filters,
             {"name": "envoy.filters.http.router", "typed_config": {
                 "@type": f"{_TYPES}.filters.http.router.v3.Router",
             }},
         ],
     }
-    pick_or_round_robin = {"policies": [{"typed_extension_config": {
+
+
+def _pick_or_round_robin() -> dict[str, Any]:
+    """The pool's balancing: the host kvgate picked, else round robin."""
+    return {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {
             "@type": f"{_TYPES}.load_balancing_policies.override_host.v3.OverrideHost",
@@ -157,37 +202,19 @@ def bootstrap(
             }}]},
         },
     }}]}
+
+
+def _picker_cluster(picker: str, tls: bool) -> dict[str, Any]:
+    """kvgate's picker, over HTTP/2 (gRPC), with TLS where it serves it (not verified)."""
     http2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
         "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
         "explicit_http_config": {"http2_protocol_options": {}},
     }}
-    tls = {"transport_socket": {
+    socket = {"transport_socket": {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": f"{_TYPES}.transport_sockets.tls.v3.UpstreamTlsContext",
             "common_tls_context": {"alpn_protocols": ["h2"]},
         },
-    }} if picker_tls else {}
-    config: dict[str, Any] = {
-        "static_resources": {
-            "listeners": [{
-                "name": "openai",
-                "address": _address(listen),
-                "per_connection_buffer_limit_bytes": max_body_bytes,
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": manager,
-                }]}],
-            }],
-            "clusters": [
-                _cluster("pool", replicas, load_balancing_policy=pick_or_round_robin,
-                         per_connection_buffer_limit_bytes=max_body_bytes),
-                *([] if picker is None else [
-                    _cluster("kvgate", [picker], typed_extension_protocol_options=http2, **tls),
-                ]),
-            ],
-        },
-    }
-    if admin is not None:
-        config["admin"] = {"address": _address(admin)}
-    return config
+    }} if tls else {}
+    return _cluster("kvgate", [picker], typed_extension_protocol_options=http2, **socket)
