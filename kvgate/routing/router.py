@@ -23,7 +23,7 @@ from kvgate.config import ConfigError, RoutingConfig
 from kvgate.errors import NoReplica
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.plugin import Deps, Plugin
-from kvgate.routing.plugins import ALWAYS, PLUGINS, PluginTable
+from kvgate.routing.plugins import ALWAYS, PluginTable, loaded, registry
 from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
 
@@ -80,11 +80,17 @@ def configured(config: RoutingConfig) -> list[str]:
     return [*config.scorers, *(name for name in config.plugins if name not in config.scorers)]
 
 
-def check_routing(config: RoutingConfig, plugins: PluginTable = PLUGINS) -> None:
+def check_routing(config: RoutingConfig, plugins: PluginTable | None = None) -> None:
     """Raises ConfigError naming, by key path, every plugin the routing config asks for that
-    does not exist, every scorer weight given to a plugin that does not score, and every
-    parameter its plugin refuses: a config is refused for it at start and on reload, never
-    found out by a request."""
+    does not exist or cannot be loaded, every scorer weight given to a plugin that does not
+    score, and every parameter its plugin refuses: a config is refused for it at start and
+    on reload, never found out by a request. `plugins`: those it may name (None: the
+    registry's, `kvgate.routing.plugins.registry`)."""
+    if plugins is None:
+        try:
+            plugins = registry(configured(config))
+        except ValueError as exc:
+            raise ConfigError([f"routing: {exc}"]) from None
     scoring = sorted(name for name, cls in plugins.items() if cls.defines("score"))
     problems = []
     for name in config.scorers:
@@ -117,9 +123,9 @@ class Router:
     time a config names it and kept across reloads, with its state (round robin's turn); its
     parameters are read once per config version."""
 
-    def __init__(self, deps: Deps, plugins: PluginTable = PLUGINS) -> None:
+    def __init__(self, deps: Deps, plugins: PluginTable | None = None) -> None:
         self.deps = deps
-        self.plugins = plugins
+        self.plugins = plugins  # None: the registry's (each config was checked, so loaded)
         self._built: dict[str, Plugin[Any]] = {}
         self._plans: dict[int, tuple[RoutingConfig, Plan]] = {}
 
@@ -182,7 +188,8 @@ class Router:
         kept = self._plans.get(id(config))
         if kept is not None and kept[0] is config:
             return kept[1]
-        steps = [self._step(name, self.plugins, config) for name in configured(config)]
+        table = self.plugins if self.plugins is not None else loaded()  # checked: loaded
+        steps = [self._step(name, table, config) for name in configured(config)]
         always = [self._step(name, ALWAYS, config) for name in ALWAYS]
         plan = Plan(
             filters=tuple(s for s in [*steps, *always] if s.plugin.defines("keeps")),

@@ -1,9 +1,13 @@
 """The plugin seam: every registered plugin keeps the contract, and a plugin written outside
-kvgate is registered by handing the router a table with it."""
+kvgate is loaded by name (an installed package's entry point, or its `module:Class`), or
+handed to the router in a table."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from pydantic import Field
@@ -99,3 +103,45 @@ def test_a_weight_for_a_plugin_that_does_not_score_is_refused():
 
     with pytest.raises(ConfigError, match=r"routing\.scorers\.gate: this plugin does not score"):
         check_routing(RoutingConfig(scorers={"gate": 1}), {**PLUGINS, "gate": Gate})
+
+
+async def ranked_by_nearest(config: RoutingConfig) -> list[str]:
+    """What a router with only the registry's plugins ranks under `config` (checked first,
+    off the loop, as a config is loaded: it reads the installed packages' metadata)."""
+    await asyncio.to_thread(check_routing, config)
+    router = Router(deps())
+    f = fleet(replica("z1-a"), replica("z2-a"), replica("z2-b"))
+    return [v.id for v in (await router.rank(route(), f, config)).replicas]
+
+
+async def test_a_plugin_from_outside_is_loaded_by_its_module_and_class():
+    name = "tests.routing.test_plugin:Nearest"
+    config = RoutingConfig(scorers={name: 1}, plugins={name: {"zone": "z2"}})
+    assert await ranked_by_nearest(config) == ["z2-b", "z2-a"]
+
+
+def installed(directory: Path) -> None:
+    """A distribution in `directory` declaring `nearest` under `kvgate.routing_plugins`, as
+    `pip install` of a package with that entry point leaves it."""
+    info = directory / "kvgate_nearest-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvgate-nearest\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[kvgate.routing_plugins]\nnearest = tests.routing.test_plugin:Nearest\n")
+
+
+async def test_an_installed_packages_plugin_is_named_by_its_entry_point(tmp_path, monkeypatch):
+    await asyncio.to_thread(installed, tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = RoutingConfig(scorers={"nearest": 1}, plugins={"nearest": {"zone": "z2"}})
+    assert await ranked_by_nearest(config) == ["z2-b", "z2-a"]
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("tests.routing.no_such_module:Mine", r"cannot be loaded \(No module named"),
+    ("tests.routing.test_plugin:Missing", r"cannot be loaded \(module .* has no attribute"),
+    ("tests.routing.test_plugin:route", r"<function route .*> is not a routing plugin"),
+])  # fmt: skip
+def test_a_plugin_that_cannot_be_loaded_refuses_the_config_saying_why(name, why):
+    with pytest.raises(ConfigError, match=rf"routing: {re.escape(name)}: {why}"):
+        check_routing(RoutingConfig(scorers={name: 1}))
