@@ -52,10 +52,14 @@ def registry(names: Iterable[str] = ()) -> dict[str, type[Plugin[Any]]]:
     """The plugins a config may name: the built-in ones, those installed packages declare
     under `kvgate.routing_plugins`, and, of `names`, each given as `module:Class`. A name that
     is none of these is left out (the config check names it); one that cannot be loaded
-    raises ValueError saying why. It reads the installed packages' metadata and imports:
-    called where a config is loaded (`Runtime.load`, off the event loop on a reload), never
-    on a request's path, which reads `loaded`."""
+    raises ValueError saying why. Where `names` are all built in, that is all; else it reads
+    the installed packages' metadata and imports: called where a config is loaded
+    (`Runtime.load`; off the event loop on a reload), never on a request's path, which reads
+    `loaded`."""
     table: dict[str, type[Plugin[Any]]] = dict(PLUGINS)
+    names = list(names)
+    if all(name in PLUGINS for name in names):  # nothing to look for (nor any I/O to do)
+        return table
     for point in entry_points(group=ENTRY_POINTS):
         if point.name not in table:
             table[point.name] = _plugin(point.name, point.load)
