@@ -17,7 +17,7 @@ from kvgate.admission.stage import Admission
 from kvgate.config import AdmissionConfig
 from kvgate.metrics import Metrics
 from kvgate.state.memory import MemoryStore
-from tests.admission.test_admission import replica, whole
+from tests.admission.harness import replica, whole
 from tests.routing.fleets import in_order
 
 CONFIG = AdmissionConfig(target_utilization=1.0)

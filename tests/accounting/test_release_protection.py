@@ -21,7 +21,7 @@ from kvgate.metrics import Metrics
 from kvgate.protect import acquire, finish
 from kvgate.state.memory import MemoryStore
 from kvgate.tenants import Budgets, tenant_key
-from tests.admission.test_admission import whole
+from tests.admission.harness import whole
 from tests.routing.fleets import in_order
 
 

@@ -5,70 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
-from kvgate.admission.demand import Demand, Slot, ledger_key
-from kvgate.admission.leases import LeaseKeeper
-from kvgate.admission.stage import Admission
+from kvgate.admission.demand import Demand, Slot
 from kvgate.config import (
     AdmissionConfig,
-    Config,
-    PoolConfig,
     QueueConfig,
-    ReplicaConfig,
-    RoutingConfig,
-    SessionsConfig,
 )
 from kvgate.errors import NeverFits, NoReplica, RateLimited
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
-from kvgate.metrics import Metrics
-from kvgate.state.base import StateStore, StateStoreError
-from kvgate.state.memory import MemoryStore
+from kvgate.state.base import StateStoreError
+from tests.admission.harness import Harness, admit, demand, replica
 from tests.plugins.waiting import eventually
-from tests.routing.fleets import in_order
-
-
-def replica(name: str, blocks: int | None = 100, block_size: int = 16) -> Replica:
-    config = ReplicaConfig(url=f"http://{name}:8000", name=name, num_gpu_blocks=blocks,
-                           block_size=block_size)
-    return Replica(config=config, pool="p", healthy=True, models=frozenset({"m"}))
-
-
-def demand(tokens: int, tenant: str = "t", priority: str = "standard") -> Demand:
-    return Demand("p", "m", tokens, tenant, priority)
-
-
-def admit(harness: Any, demand: Demand, *replicas: Replica) -> Any:
-    """Admit `demand` on the first of `replicas` (in this order) with room, under the
-    harness's admission config."""
-    return harness.admission.admit(demand, in_order(harness.admission, replicas), harness.config)
-
-
-def whole(admission: AdmissionConfig | None = None) -> Config:
-    """A whole config around `admission`, for the stages that read the config in force (its
-    placeholder replica is not the tests': they pass their own; no session waits, so any
-    wait budget is valid)."""
-    return Config(
-        pools={"p": PoolConfig(replicas=[ReplicaConfig(url="http://placeholder:8000")])},
-        admission=admission or AdmissionConfig(),
-        routing=RoutingConfig(sessions=SessionsConfig(affinity_wait_s=0)),
-    )
-
-
-class Harness:
-    def __init__(self, config: AdmissionConfig, store: StateStore | None = None) -> None:
-        self.store = store or MemoryStore()
-        self.config = config
-        current = whole(config)
-        self.admission = Admission(
-            self.store, Metrics(), lambda: current, LeaseKeeper(self.store, lambda: current)
-        )
-
-    async def held(self, r: Replica) -> int:
-        return await self.store.held(ledger_key(r.id))
 
 
 @pytest.fixture

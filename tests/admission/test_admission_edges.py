@@ -15,11 +15,10 @@ from kvgate.admission.demand import Demand
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.scrape import Scrape
-from tests.admission.test_admission import admit, replica
-from tests.admission.test_admission_predicted import Gate, refused_behind_a_slow_pool
+from tests.admission.harness import Harness, admit, refused_behind_a_slow_pool, replica
 
 
-async def admitted_at_once(gate: Gate, demand: Demand, r, most: int) -> tuple[int, int]:
+async def admitted_at_once(gate: Harness, demand: Demand, r, most: int) -> tuple[int, int]:
     """Admit copies of `demand` on `r` until one has to wait (or `most`): how many got in,
     and the blocks then held."""
     admitted = 0
@@ -34,7 +33,7 @@ async def admitted_at_once(gate: Gate, demand: Demand, r, most: int) -> tuple[in
         return admitted, await gate.held(r)
 
 
-def warmed(gate: Gate, replica_id: str) -> float:
+def warmed(gate: Harness, replica_id: str) -> float:
     """Drive the replica's overcommit factor up as after_discovery does: requests wait in
     kvgate's queue while vLLM's cache has room (worst-case reservations are mostly unwritten)."""
     factor = 1.0
@@ -51,7 +50,7 @@ async def test_worst_case_reservations_never_exceed_the_admissible_blocks_under_
     at 2 the rule reserved + f*blocks <= f*admissible counts the worst cases already on the
     ledger at 1/f of their size, so 200-block worst cases fill 1,600 blocks of a 1,000-block
     replica (900 admissible)."""
-    gate = Gate(AdmissionConfig(target_utilization=0.9,
+    gate = Harness(AdmissionConfig(target_utilization=0.9,
                                 queue=QueueConfig(max_wait_s=5)))
     r = replica("a", blocks=1000)
     assert warmed(gate, r.id) == 2.0
@@ -112,7 +111,7 @@ async def test_a_chat_without_max_tokens_is_not_refused_never_fits_where_vllm_se
     starts when one full context fits), but 0.9 x 540 = 486 < 512 blocks: every such chat
     now gets 400 never_fits — in predicted mode too, which would reserve ~29 blocks.
     Before this change the injected 1,024 default made it fit."""
-    gate = Gate(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
+    gate = Harness(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
     r = replica("a", blocks=540)
     chat = Demand("p", "m", 8192, "t", "standard", prompt_tokens=200, ahead_tokens=256)
     async with asyncio.timeout(1):
@@ -162,7 +161,7 @@ async def test_worst_case_reservations_fill_the_admissible_blocks_when_the_facto
     then a ledger holding only worst-case reservations (exact: they hold what they reserve)
     is treated as if each held twice its blocks: three critical worst cases of 300 blocks
     fit in 900 admissible blocks, but the third waits."""
-    gate = Gate(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
+    gate = Harness(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
     r = replica("a", blocks=1000)
     for preemptions in range(4):  # each scrape sees a new preemption: x0.7 down to 0.5
         gate.admission.overcommit.observe(
@@ -216,7 +215,7 @@ async def test_without_a_target_a_request_bound_to_outwait_max_wait_s_is_refused
 async def test_a_worst_case_slot_on_a_replica_that_left_the_fleet_is_still_given_back():
     """The replica is forgotten (it left the fleet) while a worst-case request runs there:
     its release still returns the lease, and the worst-case count does not go negative."""
-    gate = Gate(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
+    gate = Harness(AdmissionConfig(target_utilization=0.9, queue=QueueConfig(max_wait_s=5)))
     r = replica("a", blocks=1000)
     async with admit(gate, Demand("p", "m", 16 * 200, "t", "critical"), r):
         assert gate.admission.ledger.exact == {r.id: 200}
@@ -225,7 +224,7 @@ async def test_a_worst_case_slot_on_a_replica_that_left_the_fleet_is_still_given
     assert gate.admission.ledger.exact == {}
 
 
-def with_critical_tenant(gate: Gate) -> Gate:
+def with_critical_tenant(gate: Harness) -> Harness:
     """The gate's config with a critical tenant that may use every pool: its replicas keep
     headroom for it."""
     from kvgate.config import TenantConfig
@@ -244,7 +243,7 @@ async def test_the_kept_blocks_stay_the_critical_classs_when_lower_answers_grow_
     the ledger never refuses, into the kept blocks: a critical request arriving then queued
     behind the burst (CI saw it wait 0.056 s). The kept blocks are now counted on top of the
     lower classes' overrun: the critical request starts at once, and bulk still waits."""
-    gate = with_critical_tenant(Gate(AdmissionConfig(
+    gate = with_critical_tenant(Harness(AdmissionConfig(
         target_utilization=1.0, critical_headroom=0.1, queue=QueueConfig(max_wait_s=5))))
     r = replica("a", blocks=400)
     prompt, end = 32, 32 + 64  # an answer predicted at 64 tokens; the history has no longer one
@@ -278,7 +277,7 @@ async def test_the_kept_blocks_stay_the_critical_classs_when_lower_answers_grow_
         await asyncio.gather(grow, return_exceptions=True)
 
 
-async def eventually_held(gate: Gate, r, blocks: int) -> None:
+async def eventually_held(gate: Harness, r, blocks: int) -> None:
     from tests.plugins.waiting import eventually
 
     async def grown() -> bool:
@@ -293,7 +292,7 @@ async def test_requests_refused_for_room_count_as_demand_so_overcommit_grows_int
     with vLLM's cache at 30%, the refusals were of blocks reserved but never written, and
     the factor grows as it would for a queued request. It did not: the queue was empty at
     every scrape, so the factor stayed at 1.0 and refusals went on (mix at 1×: 150 of 501)."""
-    g = Gate(AdmissionConfig(target_utilization=1.0,
+    g = Harness(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=30, ttft_target_s={"standard": 1})))
     r = replica("a", blocks=100)
     pool = g.admission.pool("p")

@@ -7,21 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate.admission.demand import Demand, Slot, growth_target, ledger_key
-from kvgate.admission.leases import LeaseKeeper
-from kvgate.admission.stage import Admission
+from kvgate.admission.demand import Demand, Slot, growth_target
 from kvgate.admission.waiting import LATENESS_WINDOW_S, RERANK_S, PoolQueue, Waiter, Wants
 from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.view import FleetView
-from kvgate.metrics import Metrics
 from kvgate.routing.ranking import Hold, Ranking
-from kvgate.state.memory import MemoryStore
-from tests.admission.test_admission import admit, replica, whole
+from tests.admission.harness import Harness, admit, refused_behind_a_slow_pool, replica
 from tests.plugins.clock import ManualClock
 from tests.plugins.waiting import eventually
 from tests.routing.fleets import in_order
@@ -32,31 +28,15 @@ def predicted(reserve: int, worst: int, tenant: str = "t", priority: str = "stan
     return Demand("p", "m", worst, tenant, priority, ahead_tokens=reserve)
 
 
-class Gate:
-    """Admission on a memory store; on `clock` where a test moves the queue's time itself."""
-
-    def __init__(
-        self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.store = MemoryStore()
-        self.config = config
-        current = whole(config)
-        self.admission = Admission(self.store, Metrics(), lambda: current,
-                                   LeaseKeeper(self.store, lambda: current), clock=clock)
-
-    async def held(self, r) -> int:
-        return await self.store.held(ledger_key(r.id))
-
-
-async def queued(gate: Gate, waiting: int) -> None:
+async def queued(gate: Harness, waiting: int) -> None:
     """Until `waiting` requests wait in the pool's queue (a task just made has not yet)."""
     pool = gate.admission.pool("p")
     await eventually(lambda: len(pool.queue) == waiting, what=f"{waiting} waiting")
 
 
 @pytest.fixture
-async def gate() -> AsyncIterator[Gate]:
-    g = Gate(AdmissionConfig(target_utilization=1.0,
+async def gate() -> AsyncIterator[Harness]:
+    g = Harness(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=5, ttft_target_s={"standard": 5})))
     tasks = [asyncio.create_task(g.admission.dispatch("p")),
              asyncio.create_task(g.admission.ledger.grow())]
@@ -118,23 +98,6 @@ async def test_a_request_that_fits_nowhere_yet_does_not_hold_back_smaller_ones(g
     assert await big == 50  # and the big one still gets in once there is room
 
 
-async def refused_behind_a_slow_pool(queue: QueueConfig) -> RateLimited:
-    """A 50-block request behind 90 held of 100, in a pool whose requests hold a block 9 s
-    (90 held free 10 blocks a second), under `queue`: the refusal it gets."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=queue))
-    r = replica("a", blocks=100)
-    pool = g.admission.pool("p")
-    for _ in range(4):
-        pool.released(10, 9.0, time.monotonic())
-    async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
-        with pytest.raises(RateLimited) as refused:
-            async with asyncio.timeout(queue.max_wait_s + 5), admit(
-                g, Demand("p", "m", 16 * 50, "t", "standard"), r
-            ):
-                pass
-    return refused.value
-
-
 async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once():
     refused = await refused_behind_a_slow_pool(
         QueueConfig(max_wait_s=30, ttft_target_s={"standard": 1})
@@ -144,7 +107,7 @@ async def test_a_request_that_cannot_start_within_its_budget_is_refused_at_once(
     assert 3 <= refused.retry_after_s <= 6
 
 
-async def enter(gate: Gate, demand: Demand, r) -> int:
+async def enter(gate: Harness, demand: Demand, r) -> int:
     async with admit(gate, demand, r):
         return await gate.held(r)
 
@@ -152,7 +115,7 @@ async def enter(gate: Gate, demand: Demand, r) -> int:
 class contextlib_stack:
     """Admit every demand and hold them all until the block ends."""
 
-    def __init__(self, gate: Gate, r, demands: list[Demand]) -> None:
+    def __init__(self, gate: Harness, r, demands: list[Demand]) -> None:
         self.gate, self.r, self.demands = gate, r, demands
         self.contexts: list = []
 
@@ -208,10 +171,10 @@ async def test_a_request_for_an_idle_replica_is_not_held_behind_one_for_a_full_r
 
 
 @pytest.fixture
-async def slow_gate() -> AsyncIterator[Gate]:
+async def slow_gate() -> AsyncIterator[Harness]:
     """A 1-second standard target on a pool whose requests hold a block 60 s (and a long
     max_wait_s, so that a request without a target is not refused for outwaiting it)."""
-    g = Gate(AdmissionConfig(target_utilization=1.0,
+    g = Harness(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(max_wait_s=600, ttft_target_s={"standard": 1})))
     task = asyncio.create_task(g.admission.dispatch("p"))
     pool = g.admission.pool("p")
@@ -261,7 +224,7 @@ async def test_behind_a_waiting_critical_request_a_small_one_is_refused_early_no
 
 
 @contextlib.asynccontextmanager
-async def dispatching(gate: Gate) -> AsyncIterator[Gate]:
+async def dispatching(gate: Harness) -> AsyncIterator[Harness]:
     """The gate with its pool's dispatcher serving the queue."""
     task = asyncio.create_task(gate.admission.dispatch("p"))
     try:
@@ -271,7 +234,7 @@ async def dispatching(gate: Gate) -> AsyncIterator[Gate]:
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def elapse(gate: Gate, clock: ManualClock, seconds: float) -> None:
+async def elapse(gate: Harness, clock: ManualClock, seconds: float) -> None:
     """Move the queue's time on by `seconds`, and let the dispatcher make a pass at the new
     time."""
     clock.advance(seconds)
@@ -279,7 +242,7 @@ async def elapse(gate: Gate, clock: ManualClock, seconds: float) -> None:
     await asyncio.sleep(0.05)
 
 
-def long_holds(gate: Gate, seconds: float = 60.0) -> None:
+def long_holds(gate: Harness, seconds: float = 60.0) -> None:
     """The pool's requests have held their blocks `seconds` each: room frees slowly."""
     pool = gate.admission.pool("p")
     for _ in range(4):
@@ -287,7 +250,7 @@ def long_holds(gate: Gate, seconds: float = 60.0) -> None:
 
 
 async def test_without_a_latency_target_a_request_waits_for_room_however_long_it_takes():
-    g = Gate(AdmissionConfig(target_utilization=1.0))  # nothing configured: no target
+    g = Harness(AdmissionConfig(target_utilization=1.0))  # nothing configured: no target
     long_holds(g)
     r = replica("a", blocks=100)
     async with dispatching(g):
@@ -302,7 +265,7 @@ async def test_free_blocks_spread_over_replicas_do_not_count_as_room_for_one_req
     """Two replicas with 40 free blocks each: 80 in all, but a 50-block request fits on
     neither. With a 1 s target and requests holding their blocks a minute, it is refused at
     arrival, with the wait until one replica frees 10 more blocks as Retry-After."""
-    g = Gate(AdmissionConfig(target_utilization=1.0,
+    g = Harness(AdmissionConfig(target_utilization=1.0,
                              queue=QueueConfig(ttft_target_s={"standard": 1})))
     long_holds(g)
     a, b = replica("a", blocks=100), replica("b", blocks=100)
@@ -320,8 +283,8 @@ async def test_a_request_let_in_waits_past_its_target_rather_than_being_refused_
     """Nothing has ended in the pool yet, so nothing says it would miss its 0.1 s target: it
     is let in, and once in, it waits for room up to max_wait_s."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
-        max_wait_s=30, ttft_target_s={"standard": 0.1})), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        max_wait_s=30, ttft_target_s={"standard": 0.1})), clock=clock)
     r = replica("a", blocks=100)
     async with dispatching(g):
         async with admit(g, Demand("p", "m", 16 * 90, "t", "standard"), r):
@@ -333,7 +296,7 @@ async def test_a_request_let_in_waits_past_its_target_rather_than_being_refused_
 
 
 async def test_a_tenants_latency_target_wins_over_its_class():
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
         ttft_target_s={"standard": 100})))
     long_holds(g)
     r = replica("a", blocks=100)
@@ -351,7 +314,7 @@ async def test_with_no_target_a_large_request_stops_being_passed_after_half_of_m
     """Queue aging runs on max_wait_s where no target is set: passed while young, the large
     request holds the replica for itself once it has waited half of it."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1.0)), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1.0)), clock=clock)
     r = replica("a", blocks=100)
     async with dispatching(g):
         async with admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
@@ -371,7 +334,7 @@ async def test_an_aged_request_passed_over_in_a_pass_still_holds_everyone_back()
     behind it, larger, is not tried in that pass, and must still hold the replica against a
     small newcomer that would fit in the 40 free blocks."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock=clock)
     patient = g.config  # ages after 50 s
     hurried = AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=1.0))
     r = replica("a", blocks=100)
@@ -401,7 +364,7 @@ async def test_a_pass_over_a_deep_queue_ranks_only_the_requests_it_may_place():
     first request again (it is tried) and none of the larger ones behind it while their last
     ranking is younger than RERANK_S, then ranks each once more after it."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock=clock)
     r = replica("a", blocks=100)
     admission = g.admission
     ranked = [0]
@@ -439,7 +402,7 @@ async def test_a_replica_that_comes_up_is_taken_by_requests_passed_over_within_r
     rank a new, empty one, but their last ranking (the full one only) says they cannot be
     placed: within RERANK_S they are ranked again, and placed there."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)), clock=clock)
     full, fresh = replica("a", blocks=100), replica("b", blocks=100)
     admission = g.admission
     fleet = [full]
@@ -473,7 +436,7 @@ async def test_a_replica_that_comes_up_is_taken_by_requests_passed_over_within_r
 
 async def test_what_a_queued_request_asks_for_follows_its_hold_and_its_ranking():
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0), clock)
+    g = Harness(AdmissionConfig(target_utilization=1.0), clock=clock)
     a, b = replica("a", blocks=100), replica("b", blocks=100, block_size=32)
     views = list(FleetView([a, b], g.admission).take(g.admission.current()))
     future = asyncio.get_running_loop().create_future()
@@ -490,7 +453,7 @@ async def test_what_a_queued_request_asks_for_follows_its_hold_and_its_ranking()
 async def test_newcomers_behind_a_deep_queue_read_each_queued_request_once(monkeypatch):
     """Every arrival reads what the requests queued ahead of it ask for (which replicas they
     wait for, and how many blocks, for its estimate): forty queued, ten newcomers."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)))
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=100)))
     r = replica("a", blocks=100)
     read = [0]
     wants = Waiter.wants
@@ -520,7 +483,7 @@ async def test_newcomers_behind_a_deep_queue_read_each_queued_request_once(monke
 async def test_a_request_of_the_same_size_queued_ahead_is_counted_when_nothing_fits_yet():
     """Two 50-block requests wait for one replica that frees 10 blocks a second: the first
     could start in about 4 s, within a 6 s target; the second only after it, in about 9 s."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
         ttft_target_s={"standard": 6})))
     long_holds(g, seconds=9.0)  # 90 held blocks free 10 a second
     r = replica("a", blocks=100)
@@ -541,7 +504,7 @@ async def test_the_room_a_better_class_keeps_taking_is_not_counted_as_freeing_fo
     """The critical class has been placed with 5 blocks a second: half of the 10 a second the
     replica frees. A standard request short of 40 blocks waits about 8 s, not 4, and misses a
     6 s target; a critical one of the same size does not."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
         ttft_target_s={"standard": 6, "critical": 6})))
     long_holds(g, seconds=9.0)
     pool = g.admission.pool("p")
@@ -565,8 +528,8 @@ async def test_a_request_that_missed_its_target_stops_holding_everyone_back():
     still make the target; once past it, it waits as one without a target would (aging again
     at half of max_wait_s), and smaller requests pass it meanwhile."""
     clock = ManualClock()
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
-        max_wait_s=30, ttft_target_s={"standard": 0.4})), clock)  # nothing ended yet: let in
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+        max_wait_s=30, ttft_target_s={"standard": 0.4})), clock=clock)  # nothing ended yet: let in
     r = replica("a", blocks=100)
     async with dispatching(g), admit(g, Demand("p", "m", 16 * 60, "t", "standard"), r):
         large = asyncio.create_task(enter(g, Demand("p", "m", 16 * 50, "t", "standard"), r))
@@ -608,7 +571,7 @@ def test_long_estimates_that_came_out_shorter_are_scaled_down_short_ones_are_not
 async def test_a_request_estimated_past_max_wait_is_let_in_where_such_estimates_came_true_sooner():
     """Estimated at 9 s against a 5 s max_wait_s it would be refused at arrival; but long
     estimates here have taken a tenth of their time: it waits, and starts when room frees."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=5)))
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=5)))
     long_holds(g, seconds=20.0)  # 90 held free 4.5 blocks a second: the 40 missing in 9 s
     pool = g.admission.pool("p")
     for _ in range(8):
@@ -625,7 +588,7 @@ async def test_a_request_estimated_past_max_wait_is_let_in_where_such_estimates_
 async def test_a_request_is_refused_when_requests_like_it_have_been_starting_later_than_estimated():
     """Estimated at 4 s against a 6 s target it would be let in; but requests here have been
     starting 3 s later than their estimates: 7 s is past the target."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(
         ttft_target_s={"standard": 6})))
     long_holds(g, seconds=9.0)  # 90 held free 10 blocks a second
     pool = g.admission.pool("p")
@@ -645,7 +608,7 @@ async def test_headroom_is_told_at_predicted_demand_and_at_the_worst_case():
     held by short answers, recent requests of 512 prompt tokens and max_tokens 8,192: their
     worst case (544 blocks) fits once more, their predicted reservation (prompt + a 64-token
     lookahead: 36 blocks) 17 times more. Both figures come from the one fleet snapshot."""
-    g = Gate(AdmissionConfig(target_utilization=0.9))
+    g = Harness(AdmissionConfig(target_utilization=0.9))
     r = replica("a", blocks=1000)
     recent = Demand("p", "m", 512 + 8192, "t", "standard", ahead_tokens=64, prompt_tokens=512)
     for _ in range(40):
@@ -663,9 +626,9 @@ async def test_headroom_is_told_at_predicted_demand_and_at_the_worst_case():
 
 
 @pytest.fixture
-async def busy_gate() -> AsyncIterator[Gate]:
+async def busy_gate() -> AsyncIterator[Harness]:
     """No latency targets: every request waits for room, up to a 2-second max_wait_s."""
-    g = Gate(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=2)))
+    g = Harness(AdmissionConfig(target_utilization=1.0, queue=QueueConfig(max_wait_s=2)))
     task = asyncio.create_task(g.admission.dispatch("p"))
     yield g
     task.cancel()

@@ -25,7 +25,7 @@ from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.fleet.block_index import block_keys
 from kvgate.state.base import StateStore
 from kvgate.state.memory import MemoryStore
-from tests.admission.test_admission import Harness, admit, replica
+from tests.admission.harness import Harness, admit, replica
 
 # a use is a prefix of one of three chains: (chain, its length)
 USES = st.lists(st.tuples(st.sampled_from(["use", "end"]), st.integers(0, 2), st.integers(0, 12)),

@@ -16,7 +16,7 @@ from kvgate.config import AdmissionConfig, QueueConfig
 from kvgate.errors import RateLimited
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
-from tests.admission.test_admission import Harness, admit, replica
+from tests.admission.harness import Harness, admit, replica
 
 
 def predicted(reserve: int, worst: int = 16 * 200, priority: str = "standard") -> Demand:

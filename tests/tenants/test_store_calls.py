@@ -17,7 +17,7 @@ from kvgate.metrics import Metrics
 from kvgate.state.base import BucketLimit
 from kvgate.state.redis import RedisStore
 from kvgate.tenants import Budgets, tenant_key
-from tests.admission.test_admission import whole
+from tests.admission.harness import whole
 
 pytestmark = pytest.mark.redis
 
