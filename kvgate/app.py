@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -24,22 +23,22 @@ from aiohttp import web
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.stage import Admission
 from kvgate.api.admin import admin_middleware
+from kvgate.api.gauges import refresh_gauges
 from kvgate.api.routes import GATEWAY, add_routes, errors_middleware
 from kvgate.config import Config, ConfigError, UpstreamConfig, secret
 from kvgate.fleet.discovery import discovery_loop, first_round_within
 from kvgate.fleet.dns import dns_loop
 from kvgate.fleet.drain import watch_drains
-from kvgate.fleet.health import STATE_VALUE, Breakers
+from kvgate.fleet.health import Breakers
 from kvgate.fleet.inference_pool import inference_pools_loop
 from kvgate.fleet.kv_events import KvEvents, kv_events_loop
 from kvgate.fleet.replicas import Registry
-from kvgate.fleet.snapshot import BASES
 from kvgate.fleet.view import FleetView
 from kvgate.gateway import Gateway
 from kvgate.intervals import Sleep
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
-from kvgate.request.calibration import Calibration, Terms
+from kvgate.request.calibration import Calibration
 from kvgate.request.front import FrontStage
 from kvgate.request.tokens import TokenizerError
 from kvgate.routing.plugin import Deps
@@ -55,10 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GAUGE_INTERVAL_S = 1.0
-TASKS = web.AppKey("tasks", list)
+TASKS: web.AppKey[list[asyncio.Task[Any]]] = web.AppKey("tasks")
 RELOADING = web.AppKey("reloading", asyncio.Lock)  # one reload at a time
-EPP = web.AppKey("epp", object)  # the endpoint picker's gRPC server, where it listens
+# the endpoint picker's gRPC server, where it listens (gRPC is imported only then)
+EPP: web.AppKey[EppServer] = web.AppKey("epp")
 
 
 def build_store(config: Config) -> StateStore:
@@ -132,17 +131,45 @@ def build_app(
     app[GATEWAY] = gateway
     app[RELOADING] = asyncio.Lock()
     add_routes(app, admin=config.server.admin.port is None)
-    app.cleanup_ctx.append(_services)
+    # each resource starts in this order and stops in the reverse one
+    app.cleanup_ctx.extend([_store, _upstream, _workers, _background, _picker])
     return app
 
 
-async def _services(app: web.Application) -> AsyncIterator[None]:
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    """The pooled connections to the replicas (a reload may replace them: `install`)."""
+    gateway = app[GATEWAY]
+    gateway.connect(HttpTransport(client_session(gateway.current().upstream)))
+    try:
+        yield
+    finally:
+        if gateway.http is not None:
+            await gateway.http.close()
+
+
+async def _store(app: web.Application) -> AsyncIterator[None]:
+    """The state store, closed last: every stage above gives its holds back through it."""
+    try:
+        yield
+    finally:
+        await app[GATEWAY].store.close()
+
+
+async def _workers(app: web.Application) -> AsyncIterator[None]:
+    """The front's worker processes (started with the first large body)."""
+    try:
+        yield
+    finally:
+        app[GATEWAY].front.close()
+
+
+async def _background(app: web.Application) -> AsyncIterator[None]:
+    """Discovery and what follows the fleet, the ledger's loops, the gauges and each pool's
+    dispatcher; serving starts once the replicas are known (or the first round timed out): a
+    request that came before would find no replica serving its model, and be told the model
+    does not exist."""
     gateway = app[GATEWAY]
     config, current = gateway.current(), gateway.current
-    gateway.connect(HttpTransport(client_session(config.upstream)))
-    start = getattr(gateway.store, "start", None)
-    if start is not None:
-        await start()
     discovered = asyncio.Event()
     tasks = [
         _task(discovery_loop(
@@ -157,27 +184,29 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         _task(gateway.admission.ledger.grow()),
         _task(gateway.admission.ledger.reconcile(lambda: [r.id for r in gateway.registry])),
         _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
-        _task(_refresh_gauges(gateway)),
+        _task(refresh_gauges(gateway)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
     ]
     app[TASKS] = tasks
-    # Serve once the replicas are known (or the first round timed out): a request that came
-    # before would find no replica serving its model, and be told the model does not exist.
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(discovered.wait(), first_round_within(config.discovery))
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _picker(app: web.Application) -> AsyncIterator[None]:
+    """Envoy's endpoint picker, where `server.epp.port` is set; it drains first."""
+    config = app[GATEWAY].current()
     epp = await _start_epp(app, config)
     try:
         yield
     finally:
         if epp is not None:
             await epp.stop(config.server.drain_s)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        gateway.front.close()
-        if gateway.http is not None:
-            await gateway.http.close()
-        await gateway.store.close()
 
 
 async def _start_epp(app: web.Application, config: Config) -> EppServer | None:
@@ -208,97 +237,6 @@ def _task(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
 def _report_death(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.critical("background task %s died", task.get_coro(), exc_info=task.exception())
-
-
-async def _refresh_gauges(gateway: Gateway) -> None:
-    """Per-replica and store gauges, computed off the request path once a second, from the
-    fleet as routing sees it (the ledger's figures are read back by its own loop)."""
-    m = gateway.metrics
-    exported: set[tuple[str, str]] = set()
-    while True:
-        config = gateway.current()
-        fleet = gateway.fleet(config)
-        present = {(view.id, view.pool) for view in fleet}
-        for replica_id, pool in exported - present:  # left the fleet: no stale series
-            m.forget_replica(replica_id, pool)
-        exported = present
-        ids = {view.id for view in fleet}
-        gateway.breakers.forget(ids)
-        gateway.admission.backpressure.forget(ids)
-        for view in fleet:
-            labels = (view.id, view.pool)
-            total, admissible = view.num_gpu_blocks, view.admissible_blocks
-            m.healthy.labels(view.id).set(1 if view.healthy else 0)
-            m.circuit_state.labels(view.id).set(STATE_VALUE[view.circuit])
-            m.draining.labels(view.id).set(1 if view.draining else 0)
-            m.blocks_reserved.labels(*labels).set(view.reserved_blocks)
-            m.blocks_written.labels(*labels).set(view.written_blocks)
-            if total is not None and admissible is not None:
-                m.blocks_total.labels(*labels).set(total)
-                m.blocks_admissible.labels(*labels).set(admissible)
-                for basis in BASES:
-                    headroom = view.headroom_requests(basis)
-                    if headroom is not None:
-                        m.headroom.labels(*labels, basis).set(headroom)
-            age = view.scrape_age_s if view.scrape_age_s is not None else math.inf
-            m.scrape_age.labels(view.id).set(age)
-            usage = view.kv_usage if view.kv_usage is not None else math.nan
-            m.vllm_kv_usage.labels(view.id).set(usage)
-            hit_rate = view.prefix_hit_rate if view.prefix_hit_rate is not None else math.nan
-            m.prefix_cache_hit_ratio.labels(view.id).set(hit_rate)
-            scrape = view.replica.scrape
-            if view.scraped and scrape is not None:
-                m.vllm_waiting.labels(view.id).set(view.waiting or 0)
-                m.vllm_running.labels(view.id).set(view.running or 0)
-                for counter, figure in (
-                    (m.vllm_preemptions, scrape.preemptions),
-                    (m.vllm_prefix_queried, scrape.prefix_queries),
-                    (m.vllm_prefix_hit, scrape.prefix_hits),
-                ):
-                    m.mirror(counter, (view.id,), figure or 0)
-                if total and view.kv_usage is not None:
-                    m.ledger_divergence.labels(view.id).set(
-                        view.kv_usage - view.written_blocks / total
-                    )
-        _store_gauges(gateway)
-        gateway.prompts.export(config)  # the prompt fingerprints' gauges
-        _calibration_gauges(gateway, config)
-        await asyncio.sleep(GAUGE_INTERVAL_S)
-
-
-def _calibration_gauges(gateway: Gateway, config: Config) -> None:
-    """The fits' gauges, with the other gauges once a second (off the request path: a fit
-    refits on every 16th observation, its error moves on each)."""
-    m, calibration = gateway.metrics, gateway.calibration
-    for model, endpoint, _ in calibration.items():
-        m.calibration.labels(model).set(calibration.ratio(model))
-        terms = calibration.terms(model, endpoint, Terms(), config.calibration)
-        for name, value in zip(("ratio", "per_message", "per_request"), terms.vector(),
-                               strict=True):  # fmt: skip
-            m.calibration_terms.labels(model, endpoint, name).set(value)
-        error = calibration.error(model, endpoint)
-        if error is not None:
-            m.token_estimate_error.labels(model, endpoint).set(error)
-
-
-def _store_gauges(gateway: Gateway) -> None:
-    store, m = gateway.store, gateway.metrics
-    backend = store.backend
-    m.store_up.labels(backend).set(1 if getattr(store, "up", True) else 0)
-    latency = getattr(store, "last_latency_s", None)
-    if isinstance(latency, int | float):
-        m.store_latency.labels(backend).set(latency)
-    for counter, attribute in (
-        (m.store_errors, "errors"),
-        (m.store_fallback_calls, "fallback_calls"),
-        (m.store_outage_seconds, "outage_seconds"),
-        (m.store_reconciled_units, "reconciled_units"),
-        (m.store_round_trips, "round_trips"),
-        (m.store_calls, "calls"),
-    ):
-        value = getattr(store, attribute, None)
-        if isinstance(value, int | float):
-            m.mirror(counter, (backend,), value)
 
 
 def sync_registry(registry: Registry, config: Config) -> None:

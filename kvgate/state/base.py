@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class StateStoreError(RuntimeError):
@@ -188,3 +188,32 @@ class StateStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+# What a store may also tell, for /metrics (`kvgate.app`); a store that does not, exports none.
+
+
+@runtime_checkable
+class CountsCalls(Protocol):
+    """A store that talks to a server: the commands it sent, and in how many round trips."""
+
+    @property
+    def calls(self) -> int: ...
+
+    @property
+    def round_trips(self) -> int: ...
+
+
+@runtime_checkable
+class FallsBack(Protocol):
+    """A store that serves from a fallback while its primary is down
+    (`kvgate.state.resilient.ResilientStore`)."""
+
+    up: bool
+    last_latency_s: float
+    errors: int
+    fallback_calls: int
+    reconciled_units: int
+
+    @property
+    def outage_seconds(self) -> float: ...

@@ -1,6 +1,6 @@
 """The HTTP transport: the one pooled aiohttp client session towards the replicas.
 
-It is created with its session once the event loop runs (`app._services`) and lives as long
+It is created with its session once the event loop runs (`app._upstream`) and lives as long
 as the session; a reload that changes `upstream` replaces the transport whole, and the old
 one closes once the requests using it can have finished. Besides `send`, it reads a replica's
 /metrics on the same session when the gateway needs figures that cover a request's end.

@@ -20,8 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.fleet.block_index import block_keys
 from kvgate.sim.server import SimReplica
-from tests.gateway.test_precise_prefix_sim import ROOT, chat
 from tests.plugins.gateway import gateway_config, serve_app
+from tests.plugins.kv_events import SIM_CHATML
+from tests.plugins.kv_events import document_chat as chat
 from tests.plugins.processes import free_port
 from tests.plugins.waiting import eventually
 
@@ -88,9 +89,7 @@ async def test_each_rank_is_followed_and_a_request_is_pinned_to_the_rank_holding
         gw = await gateway_factory(gateway_config(
             [], pools={"default": {"replicas": [{"url": url, "name": "dp"}],
                                    "kv_events": {"port": port, "replay_port": replay_port}}},
-            models=[{"name": "sim-model", "tokenizer": {
-                "kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
-                "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}}],
+            models=[SIM_CHATML],
         ))
         events = gw.gateway.kv_events
         async with aiohttp.ClientSession() as http:

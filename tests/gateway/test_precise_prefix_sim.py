@@ -6,7 +6,6 @@ fingerprint points — until the replica evicts it."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,21 +13,12 @@ import aiohttp
 from kvgate.fleet.block_index import block_keys
 from kvgate.sim.server import SimReplica
 from tests.plugins.gateway import gateway_config
-from tests.plugins.kv_events import EVENTS
+from tests.plugins.kv_events import EVENTS, SIM_CHATML, document_chat
 from tests.plugins.waiting import eventually
 
-ROOT = Path(__file__).resolve().parents[2]
 SIM = {"time_scale": 0.001, "num_gpu_blocks": 512, "max_model_len": 2048,
        "kv_events_config": EVENTS}
-SYSTEM = "You answer questions about the document the user gives, from it alone."
-
-
-def chat(document: int, question: str) -> dict[str, Any]:
-    text = " ".join(f"clause{document}-{i}" for i in range(120))  # ~25 blocks
-    return {"model": "sim-model", "max_tokens": 4, "messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Document {document}:\n{text}\n\nQuestion: {question}"},
-    ]}  # fmt: skip
+chat = document_chat
 
 
 def config(replicas: list[SimReplica]) -> Any:
@@ -38,9 +28,7 @@ def config(replicas: list[SimReplica]) -> Any:
         entries.append({"url": replica.url, "name": "ab"[i], "kv_events": replica.kv_events_endpoints})
     return gateway_config(
         [], pools={"default": {"replicas": entries, "kv_events": {}}},
-        models=[{"name": "sim-model", "tokenizer": {
-            "kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
-            "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}}],
+        models=[SIM_CHATML],
     )
 
 

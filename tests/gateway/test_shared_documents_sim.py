@@ -20,21 +20,16 @@ from typing import Any
 import aiohttp
 
 from kvgate.sim.server import SimReplica
-from tests.gateway.test_precise_prefix_sim import ROOT, SYSTEM
 from tests.plugins.gateway import gateway_config
-from tests.plugins.kv_events import EVENTS
+from tests.plugins.kv_events import EVENTS, SIM_CHATML, document_chat
 
 SIM = {"time_scale": 0.3, "num_gpu_blocks": 1024, "max_model_len": 4096, "max_num_seqs": 64,
        "kv_events_config": EVENTS}
 N_CHATS, DOCUMENTS, MAX_TOKENS = 12, 2, 160
 
 
-def chat(document: int, question: int) -> dict[str, Any]:
-    text = " ".join(f"clause{document}-{i}" for i in range(300))  # ~70 blocks
-    return {"model": "sim-model", "max_tokens": MAX_TOKENS, "ignore_eos": True, "messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Document {document}:\n{text}\n\nQuestion {question}?"},
-    ]}  # fmt: skip
+def chat(document: int, question: int) -> dict[str, Any]:  # ~70 blocks
+    return document_chat(document, question, 300, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def config(sim: SimReplica) -> Any:
@@ -43,9 +38,7 @@ def config(sim: SimReplica) -> Any:
         pools={"default": {"replicas": [{"url": sim.url, "name": "a",
                                          "kv_events": sim.kv_events_endpoints}],
                            "kv_events": {}}},
-        models=[{"name": "sim-model", "tokenizer": {
-            "kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
-            "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}}],
+        models=[SIM_CHATML],
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -58,6 +59,23 @@ async def tokens(http: aiohttp.ClientSession, replica: SimReplica, prompt: str) 
 
 
 PROMPT = " ".join(f"word{i}" for i in range(60))
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "You answer questions about the document the user gives, from it alone."
+# the simulator's model as kvgate must know it to count a chat's token ids exactly: its
+# ChatML template and markers
+SIM_CHATML = {"name": "sim-model", "tokenizer": {
+    "kind": "tiktoken", "template_file": str(ROOT / "config" / "sim-chatml.jinja"),
+    "special_tokens": {"<|im_start|>": 100264, "<|im_end|>": 100265}}}
+
+
+def document_chat(document: int, question: object, clauses: int = 120, **fields: Any) -> dict[str, Any]:
+    """A chat about document `document` (`clauses` words: 120 are about 25 blocks of 16)
+    under the shared system prompt; `fields` over max_tokens 4."""
+    text = " ".join(f"clause{document}-{i}" for i in range(clauses))
+    return {"model": "sim-model", "max_tokens": 4, **fields, "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document {document}:\n{text}\n\nQuestion: {question}"},
+    ]}  # fmt: skip
 
 
 async def joined(

@@ -95,6 +95,18 @@ def real_config(
     return gateway_config([], **tree)
 
 
+SYSTEM = "You answer questions about the document the user gives, from it alone."
+
+
+def document_chat(document: int, question: str) -> dict[str, Any]:
+    """A chat about document `document` (about 30 blocks of 32) under a shared system prompt."""
+    text = " ".join(f"clause {document}-{i} binds the parties" for i in range(140))
+    return {"model": MODEL_NAME, "max_tokens": 4, "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Document {document}:\n{text}\n\nQuestion: {question}"},
+    ]}  # fmt: skip
+
+
 SERIES = ["vllm:num_requests_running", "vllm:num_requests_waiting",
           "vllm:num_preemptions_total"]  # fmt: skip
 

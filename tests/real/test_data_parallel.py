@@ -21,8 +21,8 @@ from kvgate.tools.tiny_model import MODEL_NAME
 from kvgate.tools.vllm_cpu import Engine, EngineSpec
 from tests.plugins.processes import free_port
 from tests.plugins.waiting import eventually
+from tests.real.conftest import document_chat as chat
 from tests.real.conftest import real_config, wait_idle
-from tests.real.test_kv_events import chat
 
 pytestmark = pytest.mark.timeout(300)
 BLOCKS = 256  # per engine

@@ -14,19 +14,11 @@ from kvgate.fleet.engine_hash import EngineHashes
 from kvgate.tools.tiny_model import MODEL_NAME
 from tests.plugins.gateway import wait_released
 from tests.plugins.waiting import eventually
+from tests.real.conftest import document_chat as chat
 from tests.real.conftest import real_config, wait_idle
 
 pytestmark = pytest.mark.timeout(240)
 
-SYSTEM = "You answer questions about the document the user gives, from it alone."
-
-
-def chat(document: int, question: str) -> dict[str, Any]:
-    text = " ".join(f"clause {document}-{i} binds the parties" for i in range(140))  # ~30 blocks
-    return {"model": MODEL_NAME, "max_tokens": 4, "messages": [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Document {document}:\n{text}\n\nQuestion: {question}"},
-    ]}  # fmt: skip
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str | None:
