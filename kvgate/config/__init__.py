@@ -9,6 +9,14 @@ from kvgate.config.admission import (
     QueueConfig,
 )
 from kvgate.config.base import PRIORITY_CLASSES, ConfigError
+from kvgate.config.fleet import (
+    DnsConfig,
+    InferencePoolConfig,
+    KvEventsConfig,
+    KvEventsEndpoints,
+    PoolConfig,
+    ReplicaConfig,
+)
 from kvgate.config.load import (
     apply_overrides,
     interpolate,
@@ -32,15 +40,9 @@ from kvgate.config.schema import (
     ChatTemplateConfig,
     Config,
     CurrentConfig,
-    DnsConfig,
     EppConfig,
     EppTlsConfig,
-    InferencePoolConfig,
-    KvEventsConfig,
-    KvEventsEndpoints,
     ModelConfig,
-    PoolConfig,
-    ReplicaConfig,
     ServerConfig,
     StateConfig,
     TenantConfig,

@@ -27,7 +27,7 @@ from urllib.parse import quote
 import aiohttp
 
 from kvgate.config import CurrentConfig, InferencePoolConfig, PoolConfig, ReplicaConfig
-from kvgate.config.schema import SERVICE_ACCOUNT
+from kvgate.config.fleet import SERVICE_ACCOUNT
 from kvgate.fleet.replicas import Registry, find
 from kvgate.intervals import pause
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate.config import ReplicaConfig
 from kvgate.config.routing import DiscoveryConfig
-from kvgate.config.schema import ReplicaConfig
 from kvgate.fleet.discovery import discover
 from kvgate.fleet.replicas import Replica
 from tests.plugins.gateway import serve_app

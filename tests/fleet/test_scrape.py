@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.config.schema import ReplicaConfig
+from kvgate.config import ReplicaConfig
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import READ_GAP_S, metrics_read_after, parse_vllm_metrics, read_lines
 from tests.plugins.gateway import serve_app
