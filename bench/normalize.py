@@ -32,7 +32,7 @@ from kvgate.config import Config, TenantConfig, parse_config
 from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 from kvgate.tools.noisy import clean_chats, noisy_chats

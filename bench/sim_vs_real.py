@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 from kvgate.tools.tiny_model import MODEL_NAME, VOCAB_SIZE

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleetbench import fleet, workloads
 from fleetbench.capacity import SAMPLE_DURATION_S, SAMPLE_RATE, first_token_s, sim_config
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.engine import Engine
 from kvgate.sim.options import output_tokens
 from kvgate.sim.text import PromptEncoder

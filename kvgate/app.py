@@ -40,7 +40,7 @@ from kvgate.metrics import Metrics
 from kvgate.normalize.stage import PromptStage
 from kvgate.request.calibration import Calibration
 from kvgate.request.front import FrontStage
-from kvgate.request.tokens import TokenizerError
+from kvgate.request.tokenizers import TokenizerError
 from kvgate.routing.plugin import Deps
 from kvgate.routing.router import Router
 from kvgate.routing.sessions import Sessions

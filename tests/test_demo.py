@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.cli import main
 from kvgate.commands import demo
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.options import OUTPUT_TOKENS_HEADER
 from kvgate.sim.text import PromptEncoder
 from kvgate.tools.workload import WorkItem

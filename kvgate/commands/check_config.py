@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from kvgate.config import ConfigError, load_config, masked
-from kvgate.request.tokens import TokenizerError
+from kvgate.request.tokenizers import TokenizerError
 from kvgate.runtime import Runtime
 
 

@@ -37,7 +37,7 @@ from kvgate.commands.demo_vllm import LONG_WORDS, RealFleet, real_fleet, settle
 from kvgate.config import Config, parse_config
 from kvgate.epp.envoy import bootstrap, envoy_binary
 from kvgate.epp.server import EppServer
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.server import SimReplica
 from kvgate.tools import vllm_cpu
 from kvgate.tools.workload import build_workload, goodput, run_workload, summarize

@@ -25,7 +25,7 @@ from kvgate.config import (
     read_tree,
 )
 from kvgate.logs import restore, write_logs_from_a_thread
-from kvgate.request.tokens import TokenizerError
+from kvgate.request.tokenizers import TokenizerError
 from kvgate.workers import PEERS, Peers, default_workers, private_site, supervise
 
 log = logging.getLogger("kvgate")

@@ -21,7 +21,8 @@ from kvgate.request.calibration import Terms
 from kvgate.request.chat_template import ChatTemplate, find_template, load_template
 from kvgate.request.parsed import Endpoint, ParsedRequest
 from kvgate.request.rules import CLIENT_PRIORITY_SPAN
-from kvgate.request.tokens import PromptCount, PromptCounter, Tokenizer, load_tokenizer
+from kvgate.request.tokenizers import Tokenizer, load_tokenizer
+from kvgate.request.tokens import PromptCount, PromptCounter
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvgate.request.tokens import TokenizerError
+from kvgate.request.tokenizers import TokenizerError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.server import SimReplica
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.api import build_app
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine

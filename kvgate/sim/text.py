@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from kvgate.request.tokens import Tokenizer, message_text
+from kvgate.request.tokenizers import Tokenizer
+from kvgate.request.tokens import message_text
 
 IM_START = 100264  # <|im_start|> in cl100k_im
 IM_END = 100265  # <|im_end|> in cl100k_im

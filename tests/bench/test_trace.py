@@ -18,7 +18,7 @@ from fleetbench import capacity, contenders, processes, trace, workloads
 from fleetbench import fleet as sim_fleet
 from fleetbench.prompts import ASSISTANT_PROMPT, EXTRACTION_PROMPT
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.engine import Engine
 from kvgate.sim.options import OUTPUT_TOKENS_HEADER
 from kvgate.sim.text import PromptEncoder

@@ -9,7 +9,7 @@ from fleetbench import fleet
 from fleetbench.capacity import sim_config
 from fleetbench.prompts import chat, words
 
-from kvgate.request.tokens import load_tiktoken
+from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.engine import Engine
 from kvgate.sim.text import PromptEncoder
 

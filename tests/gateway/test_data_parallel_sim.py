@@ -6,7 +6,8 @@ its prompt with vLLM's `X-data-parallel-rank`; where no rank holds more, vLLM ba
 
 The replica here is two simulated engines, ranks 0 and 1, behind a front that does what vLLM's
 API server does with them: a request goes to the rank its header names, else to the ranks in
-turn; /metrics is both engines' series."""
+turn; /metrics is both engines' series, each engine's cache config carrying the server's total
+blocks, as vLLM's does."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ class DataParallelFront:
                         families[family.name].samples.extend(family.samples)
                     else:
                         families[family.name] = family
+        # as vLLM's API server: every engine's cache config carries the server's total blocks
+        info = families["vllm:cache_config_info"]
+        total = sum(int(sample.labels["num_gpu_blocks"]) for sample in info.samples)
+        info.samples = [sample._replace(labels={**sample.labels, "num_gpu_blocks": str(total)})
+                        for sample in info.samples]  # fmt: skip
         registry = CollectorRegistry()
         registry.register(type("Both", (), {"collect": lambda self: families.values()})())
         return web.Response(body=generate_latest(registry), content_type="text/plain")

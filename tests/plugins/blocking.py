@@ -35,7 +35,7 @@ ALLOWED: list[tuple[str, set[str]]] = [
     ("kvgate/app.py", {"build_app"}),
     ("kvgate/state/factory.py", {"build_store"}),
     ("kvgate/state/redis.py", {"__init__"}),
-    ("kvgate/request/tokens.py", {"load_tiktoken", "load_tokenizer"}),
+    ("kvgate/request/tokenizers.py", {"load_tiktoken", "load_tokenizer"}),
     ("kvgate/request/chat_template.py", {"load_template"}),
     ("kvgate/request/catalog.py", {"__init__"}),
     # The tests' OpenAI clients: made on the loop, one imports its transport and loads its

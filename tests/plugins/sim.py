@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.request.tokens import TiktokenTokenizer, load_tiktoken
+from kvgate.request.tokenizers import TiktokenTokenizer, load_tiktoken
 from kvgate.sim.config import SimConfig
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica

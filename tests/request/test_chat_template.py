@@ -18,7 +18,8 @@ from kvgate.request.calibration import Terms
 from kvgate.request.catalog import Catalog
 from kvgate.request.chat_template import find_template, load_template
 from kvgate.request.parsed import Endpoint, parse_body
-from kvgate.request.tokens import PromptCounter, TokenizerError, load_tokenizer
+from kvgate.request.tokenizers import TokenizerError, load_tokenizer
+from kvgate.request.tokens import PromptCounter
 
 TEMPLATE = (
     "{%- if messages[0].role == 'assistant' -%}"

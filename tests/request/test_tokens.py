@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.request.calibration import Features
-from kvgate.request.tokens import (
-    OFF_LOOP_CHARS,
-    PromptCounter,
-    TokenizerError,
-    load_tiktoken,
-    load_tokenizer,
-)
+from kvgate.request.tokenizers import TokenizerError, load_tiktoken, load_tokenizer
+from kvgate.request.tokens import OFF_LOOP_CHARS, PromptCounter
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +128,7 @@ async def test_completions_prompts_are_counted_per_prompt(tiktoken_tokenizer):
 
 
 def test_the_bundled_file_is_the_published_cl100k_base():
-    from kvgate.request.tokens import KNOWN_TIKTOKEN_HASHES, _bundled_bpe_file
+    from kvgate.request.tokenizers import KNOWN_TIKTOKEN_HASHES, _bundled_bpe_file
 
     path = _bundled_bpe_file("cl100k_base")
     assert path is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from itertools import pairwise
 
-from kvgate.request.tokens import TiktokenTokenizer
+from kvgate.request.tokenizers import TiktokenTokenizer
 from kvgate.sim.extras import JSON_CONTENT, PLAIN, TOOL_ARGUMENTS
 from kvgate.sim.logprobs import ALTERNATIVES, LogprobTable, text_logprobs
 from kvgate.sim.options import MAX_LOGPROBS

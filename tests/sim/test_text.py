@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kvgate.request.tokens import TiktokenTokenizer
+from kvgate.request.tokenizers import TiktokenTokenizer
 from kvgate.sim.text import (
     FILLER,
     IM_END,
