@@ -133,12 +133,11 @@ class KvEvents:
         streams = self._streams.get(replica_id, ())
         if not token_ids or len(streams) < 2:
             return None
-        held = self._held(replica_id, self.keys_for(token_ids, block_size))
-        counts = sorted((count for count, _ in held), reverse=True)
-        if not counts or counts[0] == 0 or (len(counts) > 1 and counts[1] == counts[0]):
+        held = sorted(self._held(replica_id, self.keys_for(token_ids, block_size)),
+                      key=lambda item: item[0], reverse=True)  # fmt: skip
+        if not held or held[0][0] == 0 or (len(held) > 1 and held[1][0] == held[0][0]):
             return None
-        deepest = max(held, key=lambda item: item[0])[1]
-        return streams.index(deepest.stream)
+        return streams.index(held[0][1].stream)
 
     def keys_for(self, token_ids: Sequence[int], block_size: int) -> LazyKeys:
         """The prompt's block keys, the same object for the same prompt as long as it is the
