@@ -220,7 +220,7 @@ async def run_once(
                                 for i in range(replicas)])
                 await asyncio.sleep(0.01)
             config = gateway.runtime.config
-            admissible = [v.admissible_blocks or 0 for v in gateway.fleet(config)]
+            admissible = [v.admissible_blocks or 0 for v in gateway.view.take(config)]
             if router is not None:
                 samples = []  # not kvgate's: its ledger saw nothing
             outcomes = task.result()

@@ -186,7 +186,7 @@ async def stages(sizes: list[int], repeat: int, stub_url: str) -> list[dict[str,
                     worst.setdefault("parse", []).append(stall)
 
                     async def apply(p: Any = parsed) -> Any:
-                        return gateway.prompts.apply(p, tenant, rt.config)
+                        return gateway.front.prompts.apply(p, tenant, rt.config)
 
                     stall, (normalized, _) = await worst_of(ticker, apply)
                     worst.setdefault("normalize", []).append(stall)

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 TASKS: web.AppKey[list[asyncio.Task[Any]]] = web.AppKey("tasks")
 RELOADING = web.AppKey("reloading", asyncio.Lock)  # one reload at a time
+STORE = web.AppKey("store", StateStore)  # closed last: every stage gives its holds back through it
 # the endpoint picker's gRPC server, where it listens (gRPC is imported only then)
 EPP: web.AppKey[EppServer] = web.AppKey("epp")
 
@@ -106,21 +107,19 @@ def build_app(
     )
     admission = Admission(store, metrics, current, keeper)
     sessions = Sessions(store, metrics)
-    prompts = PromptStage(metrics)
     kv_events = KvEvents(metrics)
     breakers = Breakers(
         current,
         on_change=lambda replica, state: log.warning("replica %s: circuit %s", replica, state),
     )
+    front = FrontStage(PromptStage(metrics))
     gateway = Gateway(
         runtime=runtime,
         current=current,
         registry=registry,
         admission=admission,
         budgets=Budgets(store, metrics, keeper),
-        prompts=prompts,
-        front=FrontStage(prompts),
-        store=store,
+        front=front,
         metrics=metrics,
         calibration=Calibration(),
         router=Router(Deps(sessions, breakers, metrics, kv_events)),
@@ -128,7 +127,7 @@ def build_app(
         view=FleetView(registry, admission, breakers),
         kv_events=kv_events,
     )
-    app[GATEWAY] = gateway
+    app[GATEWAY], app[STORE] = gateway, store
     app[RELOADING] = asyncio.Lock()
     add_routes(app, admin=config.server.admin.port is None)
     # each resource starts in this order and stops in the reverse one
@@ -152,7 +151,7 @@ async def _store(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await app[GATEWAY].store.close()
+        await app[STORE].close()
 
 
 async def _workers(app: web.Application) -> AsyncIterator[None]:
@@ -168,7 +167,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
     dispatcher; serving starts once the replicas are known (or the first round timed out): a
     request that came before would find no replica serving its model, and be told the model
     does not exist."""
-    gateway = app[GATEWAY]
+    gateway, store = app[GATEWAY], app[STORE]
     config, current = gateway.current(), gateway.current
     discovered = asyncio.Event()
     tasks = [
@@ -179,12 +178,12 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         _task(dns_loop(gateway.registry, current)),
         _task(inference_pools_loop(gateway.registry, current)),
         _task(kv_events_loop(gateway.kv_events, gateway.registry, current)),
-        _task(watch_drains(gateway.store, gateway.registry, current)),
+        _task(watch_drains(store, gateway.registry, current)),
         _task(gateway.admission.keeper.run()),
         _task(gateway.admission.ledger.grow()),
         _task(gateway.admission.ledger.reconcile(lambda: [r.id for r in gateway.registry])),
-        _task(gateway.store.watch_releases(lambda _pool: gateway.admission.wake_all())),
-        _task(refresh_gauges(gateway)),
+        _task(store.watch_releases(lambda _pool: gateway.admission.wake_all())),
+        _task(refresh_gauges(gateway, store)),
         *(_task(gateway.admission.dispatch(pool)) for pool in config.pools),
     ]
     app[TASKS] = tasks

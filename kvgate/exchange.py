@@ -43,7 +43,7 @@ from kvgate.routing.ranking import Ranking
 from kvgate.routing.route import Route
 from kvgate.runtime import Runtime
 from kvgate.tenants import Charge
-from kvgate.transport.base import Outcome, UpstreamResponse
+from kvgate.transport.base import Outcome, UpstreamRequest, UpstreamResponse, upstream_headers
 
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
@@ -160,6 +160,40 @@ class Exchange:
         self.planned = replace(
             self.planned, route=replace(route, exclude=route.exclude | {replica_id})
         )
+
+    @property
+    def hold_s(self) -> float:
+        """How long the tenant's charge may be held: every attempt's wait and run."""
+        config = self.rt.config
+        attempts = 1 + config.routing.retry.attempts
+        return attempts * (config.admission.queue.max_wait_s + (self.demand.max_hold_s or 0.0))
+
+    # what the admitted attempt sends, and what kvgate adds to the client's answer
+
+    def upstream_request(self) -> UpstreamRequest:
+        assert self.slot is not None, "read before admission"
+        replica, config = self.slot.replica, self.rt.config
+        headers = upstream_headers(
+            self.headers, self.request_id, replica,
+            drop_authorization=config.auth.mode != "none", rank=self.attempt.rank,
+        )
+        return UpstreamRequest(
+            replica, self.parsed.endpoint.value, self.payload, headers, config.timeouts,
+            stream=self.parsed.stream, holder=self.key, attempt=self.attempt,
+        )
+
+    def response_headers(self) -> dict[str, str]:
+        assert self.slot is not None and self.charge is not None, "read before admission"
+        headers = {
+            **self.charge.headers,
+            "X-Request-Id": self.request_id,
+            "X-Kvgate-Pool": self.pool,
+            "X-Kvgate-Replica": self.slot.replica.id,
+        }
+        if self.rt.config.server.accounting_headers:
+            headers["X-Kvgate-Prompt-Tokens"] = str(self.bound.prompt_tokens)
+            headers["X-Kvgate-Reserved-Blocks"] = str(self.slot.reserved_blocks)
+        return headers
 
     # how it went, for the ending's record (`kvgate.request.ending`)
 

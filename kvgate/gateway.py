@@ -27,28 +27,25 @@ from aiohttp import web
 from kvgate.admission.prediction import LengthModel
 from kvgate.admission.progress import written_tokens
 from kvgate.admission.sizing import Sizing
-from kvgate.admission.stage import Admission, Ranker
-from kvgate.config import Config, CurrentConfig, TenantConfig
-from kvgate.errors import BadRequest, NotFound
+from kvgate.admission.stage import Admission
+from kvgate.config import CurrentConfig
 from kvgate.exchange import EXCHANGE, Exchange, Planned, Sized
 from kvgate.fleet.health import Breakers
 from kvgate.fleet.kv_events import KvEvents
 from kvgate.fleet.replicas import Registry, Writing
-from kvgate.fleet.snapshot import Fleet
 from kvgate.fleet.view import FleetView
 from kvgate.metrics import Metrics
-from kvgate.normalize.stage import PromptStage
 from kvgate.protect import begin, finish
 from kvgate.request.calibration import Calibration
 from kvgate.request.catalog import (
     bound_worst_case,
+    pool_priority,
     pool_tokens,
     prompts_of,
     upstream_payload,
-    vllm_priority,
 )
-from kvgate.request.front import FrontStage
-from kvgate.request.parsed import MODEL_REWRITE, Endpoint, ParsedRequest, read_body
+from kvgate.request.front import FrontStage, allowed
+from kvgate.request.parsed import MODEL_REWRITE, Endpoint, read_body
 from kvgate.request.settle import Settlement
 from kvgate.routing.pools import choose_pool, overflow_chain
 from kvgate.routing.ranking import Ranking
@@ -56,17 +53,13 @@ from kvgate.routing.route import Route
 from kvgate.routing.router import Router
 from kvgate.routing.sessions import session_key
 from kvgate.runtime import Runtime
-from kvgate.state.base import StateStore
-from kvgate.tenants import FAIRNESS_ID, OBJECTIVE, Budgets, check_access, under_objective
+from kvgate.tenants import FAIRNESS_ID, OBJECTIVE, Budgets, under_objective
 from kvgate.transport.attempts import Attempts
-from kvgate.transport.base import Transport, UpstreamRequest, upstream_headers
+from kvgate.transport.base import Transport
 from kvgate.transport.breaker import BreakerTransport
 from kvgate.transport.http import HttpTransport
 from kvgate.transport.plane import Plane, T
 from kvgate.transport.relay import relay
-
-# How long a request's arrival snapshot of the fleet may serve its first ranking.
-FLEET_REUSE_S = 0.002
 
 
 @dataclass(slots=True)
@@ -77,9 +70,7 @@ class Gateway:
     registry: Registry
     admission: Admission
     budgets: Budgets
-    prompts: PromptStage  # normalization, fingerprints, drift
     front: FrontStage  # parse, identify, normalize and count: on the loop or in a worker
-    store: StateStore
     metrics: Metrics
     calibration: Calibration
     router: Router
@@ -125,8 +116,7 @@ class Gateway:
         await self.take_front(x, remote)  # parse & validate, identify, normalize, count
         self.size(x)  # what vLLM will count, the pool, the worst case
         self.plan(x, plane)  # what to reserve, where it prefers to run, what to send
-        held_at_most = self.held_at_most(x)
-        async with self.budgets.charge(x.tenant, x.bound.worst_tokens, held_at_most) as x.charge:
+        async with self.budgets.charge(x.tenant, x.bound.worst_tokens, x.hold_s) as x.charge:
             try:  # admit, forward and relay; again elsewhere where the attempts stage says
                 attempt = functools.partial(self.attempt, plane)
                 return await self.attempts.run(x, attempt, retries=plane.retries)
@@ -142,7 +132,7 @@ class Gateway:
         front = await self.front.take(
             x.raw, x.endpoint, rt, x,
             identify=lambda: rt.directory.identify(headers, remote),
-            allow=lambda parsed, tenant: self.allow(rt, parsed, tenant),
+            allow=functools.partial(allowed, self.registry.serves, rt),
             model=headers.get(MODEL_REWRITE),  # the gateway serves it as another model
         )
         tenant = under_objective(front.tenant, headers.get(OBJECTIVE), rt.config.objectives)
@@ -159,7 +149,7 @@ class Gateway:
         prompts = prompts_of(x.count, terms)
         provisional = pool_tokens(parsed, prompts, model, x.tenant)
         first_pool = choose_pool(rt.config.pools, provisional, x.tenant.pools)
-        x.arrival = self.fleet(rt.config)
+        x.arrival = self.view.take(rt.config)
         pool = self.router.pool(
             parsed.model, overflow_chain(rt.config.pools, first_pool), x.arrival
         )
@@ -183,41 +173,14 @@ class Gateway:
             prefix=x.fingerprint or demand.prefix_key,
             holder=x.key,  # a half-open replica's trial is claimed by this request
             token_ids=x.count.token_ids,
-            exclude=self.outside(plane.subset),
+            exclude=self.registry.outside(plane.subset),
         )
+        priority = pool_priority(config, x.pool, x.tenant, x.parsed.body.get("priority"))
         payload = upstream_payload(
             x.parsed, x.bound, None if x.front.edited else x.raw, ask_usage=plane.sees_body,
-            priority=self.priority(x),
+            priority=priority,
         )
         x.planned = Planned(demand, route, payload)
-
-    def priority(self, x: Exchange) -> int | None:
-        """vLLM's `priority` for the request where its pool schedules by priority: its
-        tenant's class first, its own value within it (None: the client's own is forwarded).
-        A pool that runs fcfs would refuse a non-zero one: refused here instead (400)."""
-        policy = x.rt.config.pools[x.pool].scheduling_policy
-        own = x.parsed.body.get("priority")
-        if policy == "priority":
-            return vllm_priority(x.tenant.priority, own)
-        if policy == "fcfs" and own:
-            raise BadRequest(
-                f"'priority' is not accepted by pool {x.pool!r}: its replicas schedule first "
-                "come, first served (scheduling_policy: fcfs)",
-                param="priority",
-            )
-        return None
-
-    def outside(self, subset: frozenset[str] | None) -> frozenset[str]:
-        """The replicas not in `subset` (addresses host:port): none where it is None."""
-        if subset is None:
-            return frozenset()
-        return frozenset(r.id for r in self.registry if r.address not in subset)
-
-    def held_at_most(self, x: Exchange) -> float:
-        """How long the tenant's charge may be held: every attempt's wait and run."""
-        config = x.rt.config
-        attempts = 1 + config.routing.retry.attempts
-        return attempts * (config.admission.queue.max_wait_s + (x.demand.max_hold_s or 0.0))
 
     async def attempt(self, plane: Plane[T], x: Exchange) -> T:
         """One attempt: admit on the best replica with room, forward, relay, and begin the
@@ -227,7 +190,7 @@ class Gateway:
         tenant = x.rt.config.tenant(x.route.demand.tenant)
         target_s = tenant.ttft_target_s if tenant is not None else None  # over its class's
         async with self.admission.admit(
-            x.route.demand, self.ranker(x), x.rt.config.admission, x.since, target_s
+            x.route.demand, functools.partial(self.rank, x), x.rt.config.admission, x.since, target_s
         ) as x.slot:
             slot = x.slot
             response = await self.forward(plane, x)
@@ -253,38 +216,12 @@ class Gateway:
         attempt.rank = self.kv_events.rank_for(replica.id, token_ids, block_size)
         self.kv_events.expect(replica.id, token_ids, block_size, attempt.rank)
         try:
-            x.response = await plane.transport.send(self.upstream_request(x))
+            x.response = await plane.transport.send(x.upstream_request())
             return await plane.deliver(
-                x.response, self.client_headers(x), x.parsed.client_wants_usage
+                x.response, x.response_headers(), x.parsed.client_wants_usage
             )
         finally:
             self.ended(x)
-
-    def upstream_request(self, x: Exchange) -> UpstreamRequest:
-        assert x.slot is not None
-        replica, rt = x.slot.replica, x.rt
-        headers = upstream_headers(
-            x.headers, x.request_id, replica,
-            drop_authorization=rt.config.auth.mode != "none", rank=x.attempt.rank,
-        )
-        return UpstreamRequest(
-            replica, x.parsed.endpoint.value, x.payload, headers, rt.config.timeouts,
-            stream=x.parsed.stream, holder=x.key, attempt=x.attempt,
-        )
-
-    def client_headers(self, x: Exchange) -> dict[str, str]:
-        """The headers kvgate adds to the client's response."""
-        assert x.slot is not None and x.charge is not None
-        headers = {
-            **x.charge.headers,
-            "X-Request-Id": x.request_id,
-            "X-Kvgate-Pool": x.pool,
-            "X-Kvgate-Replica": x.slot.replica.id,
-        }
-        if x.rt.config.server.accounting_headers:
-            headers["X-Kvgate-Prompt-Tokens"] = str(x.bound.prompt_tokens)
-            headers["X-Kvgate-Reserved-Blocks"] = str(x.slot.reserved_blocks)
-        return headers
 
     def ended(self, x: Exchange) -> None:
         """The replica's connection is done with: what the attempt tells of it and of the
@@ -301,41 +238,13 @@ class Gateway:
             self.admission.refused_busy(slot, attempt.busy, rt.config.admission)
         self.settlement.observe(x)
 
-    def ranker(self, x: Exchange) -> Ranker:
-        """Ranks replicas for the request's route against a fresh fleet snapshot on every
-        call (the first may use its arrival snapshot while that is current)."""
-        return functools.partial(self.rank, x)
-
     async def rank(self, x: Exchange, waited_s: float) -> Ranking:
         """A half-open replica only for the request holding its trial; the ranking is kept
         in `x.ranking` for the router's post-response hook."""
         arrival, x.arrival = x.arrival, None  # a later ranking, or a retry, ranks afresh
         config = x.rt.config
-        fleet = arrival if arrival is not None and self.still_current(arrival) else None
+        fleet = arrival if arrival is not None and self.view.still_current(arrival) else None
         if fleet is None:
-            fleet = self.fleet(config)
+            fleet = self.view.take(config)
         x.ranking = await self.router.rank(x.route, fleet, config.routing)
         return x.ranking
-
-    def fleet(self, config: Config) -> Fleet:
-        """The fleet as it is now, under `config` (a request's own, or the one in force): one
-        snapshot for routing, gauges and the admin view."""
-        return self.view.take(config)
-
-    def still_current(self, fleet: Fleet) -> bool:
-        """A request's arrival snapshot is good for its first ranking while it is fresh and
-        no reservation moved since: within FLEET_REUSE_S health and circuits change no more
-        than between rank and send."""
-        if time.monotonic() - fleet.taken_at > FLEET_REUSE_S:
-            return False
-        reserved = self.admission.reserved
-        return all(v.reserved_blocks == reserved.get(v.id, 0) for v in fleet)
-
-    def allow(self, rt: Runtime, parsed: ParsedRequest, tenant: TenantConfig) -> None:
-        """The tenant may use the model (403), and the model exists (404)."""
-        check_access(tenant, parsed.model)
-        model = parsed.model
-        known = any(m.name == model for m in rt.config.models)
-        if not known and not any(model in r.models for r in self.registry):
-            raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
-                           param="model")

@@ -96,7 +96,7 @@ async def test_admission_takes_effect(running):
     g = gw.gateway
     await again(gw, admission={"target_utilization": 0.5, "lease_ttl_s": 9})
     assert g.admission.keeper.ttl_s == 9
-    (view,) = g.fleet(g.current())
+    (view,) = g.view.take(g.current())
     assert view.admissible_blocks == 500  # 0.5 × the stub's 1,000 blocks
 
 
@@ -120,7 +120,7 @@ async def test_pools_models_and_discovery_take_effect(running):
     assert await post(gw, CHAT) == 200
     assert second.received[-1]["max_tokens"] == 7 and not first.received
     await again(gw, discovery={"interval_s": 0.1, "timeout_s": 1, "stale_after_s": 1e-6})
-    (view,) = gw.gateway.fleet(gw.gateway.current())
+    (view,) = gw.gateway.view.take(gw.gateway.current())
     assert not view.scraped  # every scrape is now too old to trust
 
 
@@ -232,9 +232,9 @@ async def test_leases_taken_under_a_shorter_ttl_are_renewed_in_time(stub_factory
     streaming = asyncio.ensure_future(answer(gw, STREAM))
     await eventually(lambda: _received(stub, 1), what="the request reached the replica")
     (replica,) = gw.gateway.registry
-    held = await gw.gateway.store.held(f"ledger:{replica.id}")
+    held = await gw.store.held(f"ledger:{replica.id}")
     await time.elapse(2.5)  # its lease would have expired 1 s after it was taken
-    assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
+    assert held > 0 and await gw.store.held(f"ledger:{replica.id}") == held
     assert stub.gate is not None
     stub.gate.set()
     assert (await streaming)[0] == 200
@@ -254,10 +254,10 @@ async def test_a_longer_ttl_lets_no_lease_expire_before_its_next_renewal(
     streaming = asyncio.ensure_future(answer(gw, STREAM))
     await eventually(lambda: _received(stub, 1), what="the request reached the replica")
     (replica,) = gw.gateway.registry
-    held = await gw.gateway.store.held(f"ledger:{replica.id}")
+    held = await gw.store.held(f"ledger:{replica.id}")
     await again(gw, admission={"lease_ttl_s": 6.0})
     await time.elapse(1.5)
-    assert held > 0 and await gw.gateway.store.held(f"ledger:{replica.id}") == held
+    assert held > 0 and await gw.store.held(f"ledger:{replica.id}") == held
     assert stub.gate is not None
     stub.gate.set()
     assert (await streaming)[0] == 200

@@ -44,6 +44,7 @@ from kvgate.admission.room import Room
 from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
 from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
+from kvgate.fleet.drain import set_drain
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.snapshot import ReplicaView, TypicalSizes
 from kvgate.metrics import Metrics
@@ -426,6 +427,11 @@ class Admission:
         if not kv_usage or not blocks:
             return None
         return self.reserved.get(replica.id, 0) / (kv_usage * blocks)
+
+    async def drain(self, replica: Replica, draining: bool) -> None:
+        """Drain (or undrain) `replica`, here and on every instance; the waiting look again."""
+        await set_drain(self.store, replica, draining)
+        self.wake_all()
 
     def wake_all(self) -> None:
         for pool in self._pools.values():

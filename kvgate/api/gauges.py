@@ -11,21 +11,21 @@ from kvgate.config import Config
 from kvgate.fleet.health import STATE_VALUE
 from kvgate.fleet.snapshot import BASES
 from kvgate.gateway import Gateway
-from kvgate.metrics import Counter
+from kvgate.metrics import Counter, Metrics
 from kvgate.request.calibration import Terms
-from kvgate.state.base import CountsCalls, FallsBack
+from kvgate.state.base import CountsCalls, FallsBack, StateStore
 
 GAUGE_INTERVAL_S = 1.0
 
 
-async def refresh_gauges(gateway: Gateway) -> None:
+async def refresh_gauges(gateway: Gateway, store: StateStore) -> None:
     """Per-replica and store gauges, computed off the request path once a second, from the
     fleet as routing sees it (the ledger's figures are read back by its own loop)."""
     m = gateway.metrics
     exported: set[tuple[str, str]] = set()
     while True:
         config = gateway.current()
-        fleet = gateway.fleet(config)
+        fleet = gateway.view.take(config)
         present = {(view.id, view.pool) for view in fleet}
         for replica_id, pool in exported - present:  # left the fleet: no stale series
             m.forget_replica(replica_id, pool)
@@ -68,8 +68,8 @@ async def refresh_gauges(gateway: Gateway) -> None:
                     m.ledger_divergence.labels(view.id).set(
                         view.kv_usage - view.written_blocks / total
                     )
-        _store_gauges(gateway)
-        gateway.prompts.export(config)  # the prompt fingerprints' gauges
+        _store_gauges(store, m)
+        gateway.front.prompts.export(config)  # the prompt fingerprints' gauges
         _calibration_gauges(gateway, config)
         await asyncio.sleep(GAUGE_INTERVAL_S)
 
@@ -89,8 +89,7 @@ def _calibration_gauges(gateway: Gateway, config: Config) -> None:
             m.token_estimate_error.labels(model, endpoint).set(error)
 
 
-def _store_gauges(gateway: Gateway) -> None:
-    store, m = gateway.store, gateway.metrics
+def _store_gauges(store: StateStore, m: Metrics) -> None:
     backend = store.backend
     figures: list[tuple[Counter, float]] = []
     if isinstance(store, CountsCalls):

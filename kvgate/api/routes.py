@@ -14,7 +14,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, PayloadTooLarge, ServerError
 from kvgate.exchange import EXCHANGE, Exchange
-from kvgate.fleet.drain import set_drain
 from kvgate.fleet.snapshot import BASES
 from kvgate.gateway import Gateway
 from kvgate.request.ending import CLIENT_LEFT, finish
@@ -114,7 +113,7 @@ async def ready(request: web.Request) -> web.Response:
 async def admin_prompts(request: web.Request) -> web.Response:
     """The live prefix fingerprints (tools + system prompt) with their request shares."""
     gateway = request.app[GATEWAY]
-    return web.json_response(gateway.prompts.snapshot(gateway.runtime.config))
+    return web.json_response(gateway.front.prompts.snapshot(gateway.runtime.config))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -130,7 +129,7 @@ async def admin_replicas(request: web.Request) -> web.Response:
     """The fleet as routing and admission see it (the same snapshot the gauges export)."""
     gateway = request.app[GATEWAY]
     out = []
-    for view in gateway.fleet(gateway.runtime.config):
+    for view in gateway.view.take(gateway.runtime.config):
         replica = view.replica
         out.append({
             "id": view.id,
@@ -178,9 +177,8 @@ def _drain_handler(drain: bool) -> Handler:
         replica = gateway.registry.get(request.match_info["replica"])
         if replica is None:
             raise NotFound(f"no replica {request.match_info['replica']!r}", code="unknown_replica")
-        await set_drain(gateway.store, replica, drain)
+        await gateway.admission.drain(replica, drain)
         log.warning("replica %s: %s by the admin API", replica.id, "draining" if drain else "undrained")
-        gateway.admission.wake_all()
         return web.json_response({
             "id": replica.id, "draining": replica.draining, "inflight": len(replica.inflight),
         })

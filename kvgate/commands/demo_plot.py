@@ -39,7 +39,7 @@ async def record_kv(gateway: Any, replica_id: str, sim: Any, time_scale: float,
     """Sample one replica every SAMPLE_EVERY_S until cancelled."""
     started = time.monotonic()
     while True:
-        view = next((v for v in gateway.fleet(gateway.current()) if v.id == replica_id), None)
+        view = next((v for v in gateway.view.take(gateway.current()) if v.id == replica_id), None)
         if view is not None:
             pool = sim.engine.pool
             total = view.num_gpu_blocks

@@ -285,6 +285,10 @@ class Config(Section):
                 return model
         return self.default_model
 
+    def knows(self, model: str) -> bool:
+        """The config names `model` (it may serve it before any replica says so)."""
+        return any(m.name == model for m in self.models)
+
     def tenant(self, name: str) -> TenantConfig | None:
         return next((t for t in self.tenants if t.name == name), None)
 

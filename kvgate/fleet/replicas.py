@@ -197,6 +197,16 @@ class Registry:
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)
 
+    def outside(self, subset: frozenset[str] | None) -> frozenset[str]:
+        """The replicas not in `subset` (addresses host:port): none where it is None."""
+        if subset is None:
+            return frozenset()
+        return frozenset(r.id for r in self._replicas.values() if r.address not in subset)
+
+    def serves(self, model: str) -> bool:
+        """Some replica serves `model`, as its /v1/models says."""
+        return any(r.serves(model) for r in self._replicas.values())
+
     def in_pool(self, pool: str) -> list[Replica]:
         return [r for r in self._replicas.values() if r.pool == pool]
 

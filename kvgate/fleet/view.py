@@ -9,6 +9,7 @@ replicas and nothing else.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,6 +62,10 @@ class Circuits(Protocol):
     def state(self, replica_id: str) -> str: ...
 
 
+# How long a request's arrival snapshot of the fleet may serve its first ranking.
+FLEET_REUSE_S = 0.002
+
+
 @dataclass(slots=True)
 class FleetView:
     """Takes the fleet as it is now. `replicas`: the registry (any iterable of replicas: a
@@ -88,6 +93,15 @@ class FleetView:
             critical=config.critical_pools.__contains__,
             now=now,
         )
+
+    def still_current(self, fleet: Fleet) -> bool:
+        """A request's arrival snapshot is good for its first ranking while it is fresh and
+        no reservation moved since: within FLEET_REUSE_S health and circuits change no more
+        than between rank and send."""
+        if time.monotonic() - fleet.taken_at > FLEET_REUSE_S:
+            return False
+        reserved = self.figures.reserved
+        return all(v.reserved_blocks == reserved.get(v.id, 0) for v in fleet)
 
 
 def _closed(replica_id: str) -> str:

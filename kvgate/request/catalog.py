@@ -192,6 +192,22 @@ def vllm_priority(priority_class: str, client: int | None) -> int:
     return (rank - 1) * CLIENT_PRIORITY_SPAN + (client or 0)
 
 
+def pool_priority(config: Config, pool: str, tenant: TenantConfig, own: int | None) -> int | None:
+    """vLLM's `priority` for a request where its pool schedules by priority: its tenant's
+    class first, its own value (`own`) within it (None: the client's own is forwarded). A pool
+    that runs fcfs would refuse a non-zero one: refused here instead (400)."""
+    policy = config.pools[pool].scheduling_policy
+    if policy == "priority":
+        return vllm_priority(tenant.priority, own)
+    if policy == "fcfs" and own:
+        raise BadRequest(
+            f"'priority' is not accepted by pool {pool!r}: its replicas schedule first "
+            "come, first served (scheduling_policy: fcfs)",
+            param="priority",
+        )
+    return None
+
+
 def upstream_body(
     parsed: ParsedRequest, bound: Bound, *, ask_usage: bool = True, priority: int | None = None
 ) -> dict[str, object]:

@@ -30,13 +30,14 @@ from typing import Any, Protocol
 import orjson
 
 from kvgate.config import Config, TenantConfig
-from kvgate.errors import KvgateError
+from kvgate.errors import KvgateError, NotFound
 from kvgate.normalize.fingerprint import preview
 from kvgate.normalize.stage import Prepared, PromptStage, prepare, settings_for
 from kvgate.request.catalog import Catalog
 from kvgate.request.parsed import Endpoint, ParsedRequest, parse_body, with_model
 from kvgate.request.tokens import PromptCount
 from kvgate.runtime import Runtime
+from kvgate.tenants import check_access
 
 # A body larger than this, or with more JSON objects than that, goes through the front in a
 # worker process: the front's cost on the loop grows with the bytes (about 7 ms at 128 KiB of
@@ -73,6 +74,17 @@ class Front:
     tenant: TenantConfig
     fingerprint: str | None
     count: PromptCount
+
+
+def allowed(serves: Callable[[str], bool], rt: Runtime, parsed: ParsedRequest,
+            tenant: TenantConfig) -> None:
+    """The tenant may use the model (403), and the model exists: the config names it, or a
+    replica `serves` it (404)."""
+    check_access(tenant, parsed.model)
+    model = parsed.model
+    if not rt.config.knows(model) and not serves(model):
+        raise NotFound(f"the model {model!r} does not exist", code="model_not_found",
+                       param="model")
 
 
 @dataclass(frozen=True, slots=True)

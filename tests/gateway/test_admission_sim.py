@@ -61,7 +61,7 @@ async def test_through_kvgate_the_same_overload_never_preempts_and_nothing_fails
     assert replica.engine.stats.finished == N_REQUESTS
     # Everything reserved was given back, and the queue is empty.
     (kv_replica,) = gw.gateway.registry
-    assert await gw.gateway.store.held(f"ledger:{kv_replica.id}") == 0
+    assert await gw.store.held(f"ledger:{kv_replica.id}") == 0
     assert not kv_replica.inflight
     async with aiohttp.ClientSession() as session, session.get(f"{gw.url}/metrics") as r:
         metrics = await r.text()
@@ -91,7 +91,7 @@ async def test_three_times_overload_completes_or_is_refused_clearly(sim_factory,
             assert int(data["retry"]) >= 1
     assert replica.engine.stats.num_preemptions == 0
     (kv_replica,) = gw.gateway.registry
-    assert await gw.gateway.store.held(f"ledger:{kv_replica.id}") == 0
+    assert await gw.store.held(f"ledger:{kv_replica.id}") == 0
 
 
 async def test_short_requests_are_not_starved_by_long_ones_behind_a_long_pool(

@@ -197,4 +197,4 @@ async def test_with_a_latency_target_an_overloaded_class_is_refused_at_arrival(
     for r in replicas:
         assert r.engine.stats.num_preemptions == 0
     for replica in gw.gateway.registry:
-        assert await gw.gateway.store.held(f"ledger:{replica.id}") == 0
+        assert await gw.store.held(f"ledger:{replica.id}") == 0

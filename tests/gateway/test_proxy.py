@@ -159,16 +159,16 @@ async def test_client_disconnect_cancels_the_upstream_and_releases_the_ledger(
     async with aiohttp.ClientSession() as session:
         response = await session.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "stream": True})
         await response.content.readuntil(b"\n\n")
-        assert await gw.gateway.store.held(f"ledger:{replica.id}") > 0
+        assert await gw.store.held(f"ledger:{replica.id}") > 0
         response.close()  # the client goes away mid-stream
     await eventually(lambda: stub.cancelled, timeout_s=2, what="the upstream call cancelled")
     assert stub.cancelled == 1 and stub.finished == 0
 
     async def released() -> bool:
-        return await gw.gateway.store.held(f"ledger:{replica.id}") == 0 and not replica.inflight
+        return await gw.store.held(f"ledger:{replica.id}") == 0 and not replica.inflight
 
     await eventually(released, timeout_s=2, what="the ledger released")
-    assert await gw.gateway.store.held(f"ledger:{replica.id}") == 0
+    assert await gw.store.held(f"ledger:{replica.id}") == 0
     assert not replica.inflight
 
 

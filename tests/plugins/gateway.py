@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from kvgate.api.routes import GATEWAY
-from kvgate.app import build_app
+from kvgate.app import STORE, build_app
 from kvgate.config import Config, parse_config
 from kvgate.gateway import Gateway
 from kvgate.sim.stub import StubUpstream
@@ -63,6 +63,10 @@ class RunningGateway:
     @property
     def gateway(self) -> Gateway:
         return self.app[GATEWAY]
+
+    @property
+    def store(self) -> StateStore:
+        return self.app[STORE]
 
     async def wait_healthy(self, count: int | None = None, timeout_s: float = 10.0) -> None:
         """Until discovery has seen `count` (default: all) replicas healthy with capacity."""
@@ -126,7 +130,7 @@ async def wait_settled(gw: RunningGateway, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     admission = gw.gateway.admission
     while True:
-        held = {r.id: await gw.gateway.store.held(f"ledger:{r.id}") for r in gw.gateway.registry}
+        held = {r.id: await gw.store.held(f"ledger:{r.id}") for r in gw.gateway.registry}
         inflight = {r.id: list(r.inflight) for r in gw.gateway.registry if r.inflight}
         leases = admission.keeper.live_leases()
         charging = open_charges(gw)
@@ -158,7 +162,7 @@ async def wait_released(gw: RunningGateway, timeout_s: float = 10.0) -> None:
     while True:
         # the queue's length has no public reader; the gauge lags by up to a second
         queued = {p: len(gateway.admission.pool(p).queue) for p in gateway.admission.pools()}
-        running = {t: await gateway.store.held(tenant_key(t, "concurrency")) for t in sorted(tenants)}
+        running = {t: await gw.store.held(tenant_key(t, "concurrency")) for t in sorted(tenants)}
         if not any(queued.values()) and not any(running.values()):
             return
         if time.monotonic() > deadline:

@@ -73,7 +73,7 @@ async def test_two_instances_on_redis_share_a_tenants_limit_and_the_ledgers(
         assert held.status == 200
         await held.content.readline()
         replica = held.headers["X-Kvgate-Replica"]
-        reserved = await two.gateway.store.held(f"ledger:{replica}")
+        reserved = await two.store.held(f"ledger:{replica}")
         assert reserved > 0, "the second instance sees the first one's reservation"
         # the same tenant through the second instance: its one slot is taken
         async with http.post(f"{two.url}/v1/chat/completions", json=chat(2)) as refused:
@@ -93,7 +93,7 @@ async def test_two_instances_on_redis_share_a_tenants_limit_and_the_ledgers(
 
 
 async def released(gw: Any, replica: str) -> bool:
-    return await gw.gateway.store.held(f"ledger:{replica}") == 0
+    return await gw.store.held(f"ledger:{replica}") == 0
 
 
 async def test_kvgate_in_a_session_of_its_own_serves_beside_busy_engines(engines, tmp_path):

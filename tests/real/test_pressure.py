@@ -59,7 +59,7 @@ async def test_26_percent_but_full_direct_preempts_kvgate_does_not(engines, gate
     async def watch() -> None:
         queue = gw.gateway.admission.pool("default").queue
         while True:
-            (view,) = gw.gateway.fleet(gw.gateway.runtime.config)
+            (view,) = gw.gateway.view.take(gw.gateway.runtime.config)
             scrape = view.replica.scrape
             usage = scrape.kv_usage if scrape and scrape.kv_usage is not None else 1.0
             seen.append((usage, view.headroom_blocks("worst_case") or 0, len(queue)))

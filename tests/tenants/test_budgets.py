@@ -51,7 +51,7 @@ async def tenant_tokens(session: aiohttp.ClientSession, gw: RunningGateway) -> d
 
 
 async def remaining(gw: RunningGateway, tokens_per_minute: int) -> int:
-    state = await gw.gateway.store.peek(tokens_bucket("team"), BucketLimit(tokens_per_minute))
+    state = await gw.store.peek(tokens_bucket("team"), BucketLimit(tokens_per_minute))
     return state.remaining
 
 
@@ -59,7 +59,7 @@ async def no_concurrency_lease(gw: RunningGateway) -> None:
     """Until the tenant holds no concurrency lease (released as the handler returns)."""
 
     async def none_held() -> bool:
-        return await gw.gateway.store.held(concurrency_pool("team")) == 0
+        return await gw.store.held(concurrency_pool("team")) == 0
 
     await eventually(none_held, what="the concurrency leases' release")
 
@@ -209,7 +209,7 @@ async def test_concurrent_requests_over_the_limit_are_refused_and_the_count_retu
         for stream in streams:
             assert stream.status == 200
             await stream.content.readuntil(b"\n\n")  # both are generating now
-        assert await gw.gateway.store.held(concurrency_pool("team")) == 2
+        assert await gw.store.held(concurrency_pool("team")) == 2
         samples = await metrics(s, gw.url)
         assert sample(samples, "kvgate_tenant_concurrent_requests", tenant="team") == 2
 
@@ -246,7 +246,7 @@ async def test_a_concurrency_refusal_retries_after_the_tenants_typical_request_e
         busy = [asyncio.create_task(post(s, gw.url, chat())) for _ in range(2)]
 
         async def both_in_flight() -> bool:
-            return await gw.gateway.store.held(concurrency_pool("team")) == 2
+            return await gw.store.held(concurrency_pool("team")) == 2
 
         await eventually(both_in_flight, what="two requests in flight")
         refused = await post(s, gw.url, chat())

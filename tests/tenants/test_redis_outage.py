@@ -129,7 +129,7 @@ async def nothing_held(gw: RunningGateway, private_redis: PrivateRedis, key_pref
         for pool in pools:
 
             async def released(pool: str = pool) -> bool:
-                return await gw.gateway.store.held(pool) == 0 and await redis.held(pool) == 0
+                return await gw.store.held(pool) == 0 and await redis.held(pool) == 0
 
             await eventually(released, what=f"{pool} released")
     finally:
