@@ -258,16 +258,20 @@ def quantiles(values: list[float]) -> tuple[float, float]:
 def watch_admissions(gateway: Any, replicas: int, into: list[tuple[int, list[int]]]) -> None:
     """Record, each time admission places a request, which replica took it and every
     replica's reserved blocks (the bench's instrument, wrapped around the placement step)."""
-    place = gateway.admission._try_place
+    placer = gateway.admission.placer
 
-    async def placed(*args: Any, **kwargs: Any) -> Any:
-        slot = await place(*args, **kwargs)
-        if slot is not None:
-            reserved = [gateway.admission.reserved.get(f"r{i}", 0) for i in range(replicas)]
-            into.append((int(slot.replica.id.removeprefix("r")), reserved))
-        return slot
+    class Watched:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(placer, name)
 
-    gateway.admission._try_place = placed
+        async def place(self, *args: Any, **kwargs: Any) -> Any:
+            slot = await placer.place(*args, **kwargs)
+            if slot is not None:
+                reserved = [gateway.admission.reserved.get(f"r{i}", 0) for i in range(replicas)]
+                into.append((int(slot.replica.id.removeprefix("r")), reserved))
+            return slot
+
+    gateway.admission.placer = Watched()
 
 
 def over_bound(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from kvgate.admission.ledger import Ledger
     from kvgate.admission.overcommit import Overcommit
     from kvgate.fleet.replicas import Replica
-    from kvgate.fleet.scrape import Scrape
     from kvgate.fleet.snapshot import ReplicaView
 
 # The peak is read this many standard deviations above its expectation: few long answers of
@@ -211,14 +210,34 @@ class Room:
         self._seen: dict[str, tuple[float, int]] = {}
         self._curves: dict[str, tuple[tuple[int, int], float, Curve]] = {}
 
-    def scraped(self, replica: Replica, scrape: Scrape) -> None:
-        """A discovery round read this scrape of the replica: what ours had written then."""
-        self._seen[replica.id] = (scrape.at, replica.written_blocks())
+    def discovered(
+        self, replicas: Sequence[Replica], stale_after_s: float, waiting: set[str]
+    ) -> Iterator[tuple[Replica, float]]:
+        """A discovery round's fresh scrapes (those under `stale_after_s` old): for each,
+        what ours had written then, and the replica's overcommit factor steered by it (its
+        pool in `waiting`: requests there waited for room since the last round)."""
+        ids = {r.id for r in replicas}
+        self._seen = {rid: seen for rid, seen in self._seen.items() if rid in ids}
+        self._curves = {rid: c for rid, c in self._curves.items() if rid in ids}
+        for replica in replicas:
+            scrape = replica.fresh_scrape(stale_after_s)
+            if scrape is None:
+                continue
+            self._seen[replica.id] = (scrape.at, replica.written_blocks())
+            yield replica, self.overcommit.observe(
+                replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
+                demand=replica.pool in waiting, waiting=scrape.waiting,
+                rejections=scrape.admission_rejections,
+                reserved_per_held=self._reserved_per_held(replica, scrape.kv_usage),
+            )
 
-    def keep(self, replica_ids: set[str]) -> None:
-        """Forget the replicas that left the fleet."""
-        self._seen = {rid: seen for rid, seen in self._seen.items() if rid in replica_ids}
-        self._curves = {rid: c for rid, c in self._curves.items() if rid in replica_ids}
+    def _reserved_per_held(self, replica: Replica, kv_usage: float | None) -> float | None:
+        """The ledger's reserved blocks on `replica` over the blocks its vLLM holds (None
+        while it holds none, or its size is unknown)."""
+        blocks = replica.num_gpu_blocks
+        if not kv_usage or not blocks:
+            return None
+        return self.ledger.reserved.get(replica.id, 0) / (kv_usage * blocks)
 
     def limit(self, view: ReplicaView, demand: Demand, limit: int) -> int | None:
         """Where the ledger's `limit` leaves no room for a predicted demand but the replica

@@ -20,8 +20,8 @@ Queue order: a request that does not fit yet holds back lower classes on the rep
 could use, and everyone there once it has aged (`Waiter.aged`: half its target, or half
 max_wait_s), so large requests still make progress; otherwise smaller requests pass it. One
 that has waited half of max_wait_s (`Waiter.overdue`) goes before every younger request,
-whatever their class: a higher class that keeps arriving cannot starve a lower one. What
-a request needs and holds (`Demand`, `Slot`) lives in `kvgate.admission.demand`.
+whatever their class: a higher class that keeps arriving cannot starve a lower one. Where
+a request may go: `kvgate.admission.placement`; what it needs and holds: `.demand`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from kvgate.admission.backpressure import Backpressure
 from kvgate.admission.demand import Demand, Slot
 from kvgate.admission.leases import LeaseKeeper
 from kvgate.admission.ledger import Ledger
 from kvgate.admission.overcommit import Overcommit
-from kvgate.admission.placement import check_can_ever_fit, first_not_busy, limit_for
+from kvgate.admission.placement import Placer, check_can_ever_fit, first_not_busy
 from kvgate.admission.queue import Ticket
 from kvgate.admission.room import Room
 from kvgate.admission.waiting import RERANK_S, PassBook, PoolQueue, Waiter
@@ -46,7 +46,7 @@ from kvgate.config import AdmissionConfig, CurrentConfig
 from kvgate.errors import NoReplica, RateLimited
 from kvgate.fleet.drain import set_drain
 from kvgate.fleet.replicas import Replica
-from kvgate.fleet.snapshot import ReplicaView, TypicalSizes
+from kvgate.fleet.snapshot import TypicalSizes
 from kvgate.metrics import Metrics
 from kvgate.protect import finish
 from kvgate.routing.ranking import Ranking
@@ -94,6 +94,10 @@ class Admission:
         self.overcommit = Overcommit()
         self.backpressure = Backpressure()  # replicas whose vLLM refused ours as busy
         self.room = Room(self.ledger, self.overcommit, clock)  # work conservation
+        self.placer = Placer(
+            self.ledger, self.room, self.backpressure, metrics,
+            on_stale=lambda demand, slot: self._release(self.pool(demand.pool), slot),
+        )
 
     # What the fleet view shows of admission (`kvgate.fleet.view.AdmissionFigures`).
 
@@ -146,7 +150,7 @@ class Admission:
         waited_for = pool.waited_for(demand, frozenset(r.id for r in candidates))
         target = config.queue.target(demand.priority, tenant_target_s)
         conserve = target is None  # work conservation: for requests without a target
-        slot = await self._try_place(
+        slot = await self.placer.place(
             demand, ranking, config, self.clock() - started, waited_for, conserve=conserve
         )
         if slot is None:
@@ -156,7 +160,7 @@ class Admission:
                 demand, rank, future, ranking, started, config, target, clock=self.clock,
                 ranked_at=asked,
             )
-            if waited_for and self.fits(demand, ranking, config, waited_for, conserve):
+            if waited_for and self.placer.fits(demand, ranking, config, waited_for, conserve):
                 waiter.room_since = self.clock()  # held back for those queued ahead
             slot = await self._wait(pool, waiter, asked - started)
         self.metrics.admissions.labels(
@@ -180,65 +184,6 @@ class Admission:
         self.backpressure.refused(slot.replica.id, config.busy_backoff_s)
         self.metrics.replica_rejections.labels(slot.replica.id, reason).inc()
 
-    async def _try_place(
-        self,
-        demand: Demand,
-        ranking: Ranking,
-        config: AdmissionConfig,
-        waited_s: float,
-        closed: frozenset[str] = frozenset(),
-        *,
-        conserve: bool = True,
-    ) -> Slot | None:
-        """The first of the replicas the ranking lets a request that has waited `waited_s`
-        use (`Ranking.usable`), not `closed` to this request, whose ledger takes the demand,
-        or (`conserve`) whose vLLM could carry it now (`Room.limit`)."""
-        for view, limit, conserved in self._limits(
-            demand, ranking, config, waited_s, closed, conserve
-        ):
-            slot = await self.ledger.reserve(
-                view.replica, demand, limit, config.lease_ttl_s,
-                on_stale=lambda stale: self._release(self.pool(demand.pool), stale),
-            )
-            if slot is not None:
-                self.backpressure.placed(view.id)
-                slot.queued_s = waited_s
-                if conserved:
-                    self.metrics.work_conserving.labels(demand.pool, view.id).inc()
-                return slot
-        return None
-
-    def fits(
-        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, only: frozenset[str],
-        conserve: bool,
-    ) -> bool:
-        """Whether one of the replicas `only` that the ranking lets the demand use has room
-        for it now, on its ledger or (`conserve`) by its vLLM's own figures (nothing is
-        reserved)."""
-        closed = frozenset(v.id for v in ranking.replicas) - only
-        return any(
-            view.reserved_blocks + demand.blocks_on(view.replica) <= limit
-            for view, limit, _ in self._limits(demand, ranking, config, math.inf, closed, conserve)
-        )
-
-    def _limits(
-        self, demand: Demand, ranking: Ranking, config: AdmissionConfig, waited_s: float,
-        closed: frozenset[str], conserve: bool,
-    ) -> Iterator[tuple[ReplicaView, int, bool]]:
-        """In ranking order, each replica the demand may be placed on after `waited_s`, not
-        `closed` to it, with the most its ledger may hold with the demand on it: the ledger's
-        own limit, or (`conserve`) past it where its vLLM could carry the demand now, and
-        whether it is that."""
-        for view in ranking.usable(waited_s):
-            if view.id in closed or (limit := limit_for(view, demand, config)) is None:
-                continue
-            # work conservation, asked only for requests without a latency target: the wait
-            # estimate that refuses those at arrival is read from the ledger, and letting
-            # requests past it under overload cost the production trace at 3x a fifth of its
-            # goodput (4.25 against 5.28, docs/admission.md)
-            room = self.room.limit(view, demand, limit) if conserve else None
-            yield view, (limit if room is None else room), room is not None
-
     async def _wait(self, pool: PoolQueue, waiter: Waiter, waited_s: float = 0.0) -> Slot:
         """Queue the request until the dispatcher places it, up to max_wait_s less the
         `waited_s` it spent before a busy replica sent it back. With a latency target, one
@@ -258,7 +203,7 @@ class Admission:
                     self._queue_full_error(demand.pool, max_depth, shed)
                 )
         # refused now if it would miss its target, or time out anyway
-        self._refuse_if_late(pool, ticket, waited_s)
+        pool.refuse_if_late(ticket, self.reserved, self.clock(), waited_s)
         self._observe_depth(demand.pool, pool)
         pool.wake.set()
         max_wait = config.queue.max_wait_s
@@ -299,35 +244,6 @@ class Admission:
                 with_room
             )
 
-    def _refuse_if_late(self, pool: PoolQueue, ticket: Ticket, waited_s: float) -> None:
-        """Refuse the queued request at once (429 wait_budget_exceeded) if it is expected to
-        start later than its latency target, or than max_wait_s (without a target, or with
-        a longer one: it would time out anyway), less the `waited_s` already spent: the
-        estimate, corrected by how the pool's recent estimates came out
-        (`PoolQueue.corrected_wait`)."""
-        waiter: Waiter = ticket.payload
-        now = self.clock()
-        estimate = pool.expected_wait(ticket, waiter.config, self.reserved, now)
-        if estimate is None:
-            return
-        waiter.expected_s = estimate
-        expected = pool.corrected_wait(estimate, now)
-        max_wait, target = waiter.config.queue.max_wait_s, waiter.target_s
-        limit = max_wait if target is None else min(target, max_wait)
-        if expected <= limit - waited_s:
-            return
-        pool.queue.remove(ticket)
-        within = (
-            f"this request's latency target of {target:g}s" if limit == target
-            else f"max_wait_s of {max_wait:g}s"
-        )
-        when = f"about {expected:.1f}s" if expected < max_wait else f"over {max_wait:g}s"
-        raise RateLimited(
-            f"no KV capacity in pool {waiter.demand.pool!r} within {within} "
-            f"(expected wait: {when})",
-            code="wait_budget_exceeded", retry_after_s=min(expected, max_wait),
-        )
-
     async def dispatch(self, pool_name: str) -> None:
         """Serve one pool's queue in fair order until cancelled (one task per pool)."""
         pool = self.pool(pool_name)
@@ -363,7 +279,7 @@ class Admission:
             closed = book.closed_to(ticket.rank)
             aged = waiter.aged(ticket.enqueued_at, now)
             conserve = waiter.target_s is None
-            if closed and waiter.room_since is None and self.fits(
+            if closed and waiter.room_since is None and self.placer.fits(
                 demand, waiter.ranking, config, closed, conserve
             ):
                 waiter.room_since = now  # held back for fair order while it would fit
@@ -380,7 +296,7 @@ class Admission:
                 if book.passes_over(wants, demand.predicted):
                     book.passed_over(aged, wants)
                     continue
-                slot = await self._try_place(
+                slot = await self.placer.place(
                     demand, waiter.ranking, config, waited, closed, conserve=conserve
                 )
             except Exception as exc:  # a store failure ends this waiter, not the loop
@@ -404,29 +320,9 @@ class Admission:
         then let the queues try again."""
         stale = self.current().discovery.stale_after_s
         waiting = {name for name, pool in self._pools.items() if pool.take_demand()}
-        replicas = list(replicas)
-        self.room.keep({r.id for r in replicas})
-        for replica in replicas:
-            scrape = replica.fresh_scrape(stale)
-            if scrape is None:
-                continue
-            self.room.scraped(replica, scrape)
-            factor = self.overcommit.observe(
-                replica.id, preemptions=scrape.preemptions, kv_usage=scrape.kv_usage,
-                demand=replica.pool in waiting, waiting=scrape.waiting,
-                rejections=scrape.admission_rejections,
-                reserved_per_held=self._reserved_per_held(replica, scrape.kv_usage),
-            )
+        for replica, factor in self.room.discovered(list(replicas), stale, waiting):
             self.metrics.overcommit.labels(replica.id, replica.pool).set(factor)
         self.wake_all()
-
-    def _reserved_per_held(self, replica: Replica, kv_usage: float | None) -> float | None:
-        """The ledger's reserved blocks on `replica` over the blocks its vLLM holds (None
-        while it holds none, or its size is unknown)."""
-        blocks = replica.num_gpu_blocks
-        if not kv_usage or not blocks:
-            return None
-        return self.reserved.get(replica.id, 0) / (kv_usage * blocks)
 
     async def drain(self, replica: Replica, draining: bool) -> None:
         """Drain (or undrain) `replica`, here and on every instance; the waiting look again."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvgate.admission.queue import FairQueue, Ticket
 from kvgate.config import PRIORITY_CLASSES
+from kvgate.errors import RateLimited
 from kvgate.fleet.snapshot import TypicalSizes
 
 if TYPE_CHECKING:
@@ -370,3 +371,30 @@ class PoolQueue:
             if hold is not None:
                 waits.append(time_to_room(short, held, backlog, view.running or 0, hold))
         return min(waits) if waits else None
+
+    def refuse_if_late(
+        self, ticket: Ticket, ledger: Mapping[str, int], now: float, waited_s: float
+    ) -> None:
+        """Refuse the queued request at once (429 wait_budget_exceeded) if it is expected to
+        start later than its latency target, or than max_wait_s (without a target, or with
+        a longer one: it would time out anyway), less the `waited_s` already spent: the
+        estimate (`expected_wait`), corrected by how recent ones came out (`corrected_wait`)."""
+        waiter: Waiter = ticket.payload
+        estimate = self.expected_wait(ticket, waiter.config, ledger, now)
+        if estimate is None:
+            return
+        waiter.expected_s = estimate
+        expected = self.corrected_wait(estimate, now)
+        max_wait, target = waiter.config.queue.max_wait_s, waiter.target_s
+        limit = max_wait if target is None else min(target, max_wait)
+        if expected <= limit - waited_s:
+            return
+        self.queue.remove(ticket)
+        within = (f"this request's latency target of {target:g}s" if limit == target
+                  else f"max_wait_s of {max_wait:g}s")
+        when = f"about {expected:.1f}s" if expected < max_wait else f"over {max_wait:g}s"
+        raise RateLimited(
+            f"no KV capacity in pool {waiter.demand.pool!r} within {within} "
+            f"(expected wait: {when})",
+            code="wait_budget_exceeded", retry_after_s=min(expected, max_wait),
+        )
