@@ -1,4 +1,4 @@
-"""docs/metrics.md is the catalogue of kvgate's metrics; it must match kvgate/metrics.py."""
+"""docs/metrics.md is the catalogue of kvgate's metrics; it must match kvgate/metrics/."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from kvgate.config import Config
 from kvgate.fleet.health import STATE_VALUE
 from kvgate.fleet.snapshot import BASES
 from kvgate.gateway import Gateway
-from kvgate.metrics import Counter, Metrics
+from kvgate.metrics import Metrics
+from kvgate.metrics.families import Counter
 from kvgate.request.calibration import Terms
 from kvgate.state.base import CountsCalls, FallsBack, StateStore
 

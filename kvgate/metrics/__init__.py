@@ -1,77 +1,41 @@
-"""Every Prometheus metric kvgate exports, declared in one place (documented in
-docs/metrics.md; a test checks the two agree).
-
-One `Metrics` per application, each with its own registry: no global state, so several
-gateways can run in one process (as the tests do).
+"""Every Prometheus metric kvgate exports, declared in one place, by subsystem (documented in
+docs/metrics.md; a test checks the two agree). One `Metrics` per application, each with its
+own registry: no global state, so several gateways can run in one process (as tests do).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any, TypeVar
 
-import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvgate.fleet.snapshot import BASES
-
-M = TypeVar("M")
-
-
-def _remembered(
-    metric: object, make: Callable[..., M], values: tuple[Any, ...], kwargs: dict[str, Any]
-) -> M:
-    """`labels()` remembered per label values. prometheus_client validates the values, takes
-    a lock and builds a key on every call; the request path calls it about twenty times per
-    request. `remove()` and `clear()` forget what was remembered, so a
-    remembered child is always the one the registry exports."""
-    if kwargs:
-        return make(*values, **kwargs)
-    remembered: dict[tuple[Any, ...], M] = metric.__dict__.setdefault("_remembered", {})
-    child = remembered.get(values)
-    if child is None:
-        child = remembered[values] = make(*values)
-    return child
-
-
-class _Remembering:
-    """`labels()` remembered (see `_remembered`), for each kind of metric below."""
-
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
-        return _remembered(self, super().labels, labelvalues, labelkwargs)  # type: ignore[misc]
-
-    def remove(self, *labelvalues: Any) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().remove(*labelvalues)  # type: ignore[misc]
-
-    def clear(self) -> None:
-        self.__dict__.pop("_remembered", None)
-        super().clear()  # type: ignore[misc]
-
-
-class Counter(_Remembering, prometheus_client.Counter):
-    pass
-
-
-class Gauge(_Remembering, prometheus_client.Gauge):
-    pass
-
-
-class Histogram(_Remembering, prometheus_client.Histogram):
-    pass
-
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# signed seconds: a wait that came later (+) or sooner (-) than estimated
-ERROR_BUCKETS = (-10, -5, -2, -1, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5, 10)
-RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+from kvgate.metrics.families import (
+    BLOCK_BUCKETS,
+    ERROR_BUCKETS,
+    LATENCY_BUCKETS,
+    RATIO_BUCKETS,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._requests(r)
+        self._replicas(r)
+        self._prediction(r)
+        self._fleet(r)
+        self._routing(r)
+        self._calibration(r)
+        self._store(r)
+        self._prompts(r)
+        self._mirrored: dict[tuple[int, tuple[str, ...]], float] = {}
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """Requests as they finish or are refused, the queue, admissions."""
         self.requests = Counter(
             "kvgate_requests", "Requests finished, by outcome (ok, client_error, refused, "
             "upstream_error, disconnected).", ["model", "pool", "tenant", "outcome"], registry=r,
@@ -114,6 +78,9 @@ class Metrics:
             "kvgate_admissions", "Requests admitted onto a replica's block ledger.",
             ["pool", "replica", "queued"], registry=r,
         )
+
+    def _replicas(self, r: CollectorRegistry) -> None:
+        """Each replica's blocks on the ledger, and vLLM's own figures as scraped."""
         self.blocks_total = Gauge(
             "kvgate_replica_capacity_blocks", "KV blocks in the replica's pool (num_gpu_blocks).",
             ["replica", "pool"], registry=r,
@@ -167,6 +134,9 @@ class Metrics:
             "more than vLLM holds (prefixes vLLM stores once, preempted requests, an estimate "
             "running ahead).", ["replica"], registry=r,
         )
+
+    def _prediction(self, r: CollectorRegistry) -> None:
+        """Overcommit, predicted reservations, headroom, and leases dropped."""
         self.overcommit = Gauge(
             "kvgate_replica_overcommit_ratio", "How far predicted reservations may fill the "
             "replica's admissible blocks (AIMD on its preemptions and usage; 1 is the plain "
@@ -195,6 +165,9 @@ class Metrics:
             "run, logged and released as leaked, by kind (ledger, concurrency). Should stay 0.",
             ["kind"], registry=r,
         )
+
+    def _fleet(self, r: CollectorRegistry) -> None:
+        """Health, circuits, drains and retries; vLLM's KV cache events and busy answers."""
         self.healthy = Gauge(
             "kvgate_replica_healthy", "1 when the last discovery succeeded.", ["replica"],
             registry=r,
@@ -250,6 +223,9 @@ class Metrics:
             "(503 at its queue limits), by vLLM's reason: sent elsewhere or queued again, never "
             "a circuit-breaker failure.", ["replica", "reason"], registry=r,
         )
+
+    def _routing(self, r: CollectorRegistry) -> None:
+        """Session and prefix routing, request sizes and times, tenants' budgets."""
         self.session_routes = Counter(
             "kvgate_session_routes", "Requests with a session key, by result (hit, new, "
             "rebound) and reason.", ["result", "reason"], registry=r,
@@ -287,6 +263,9 @@ class Metrics:
             "kvgate_tenant_remaining_tokens", "Tokens left in the tenant's per-minute bucket "
             "after its last request.", ["tenant"], registry=r,
         )
+
+    def _calibration(self, r: CollectorRegistry) -> None:
+        """The token count's calibration against vLLM's."""
         self.calibration = Gauge(
             "kvgate_tokenizer_calibration_ratio", "vLLM's prompt_tokens ÷ kvgate's estimate, "
             "recent mean over the model's endpoints (1 is exact).", ["model"], registry=r,
@@ -310,6 +289,9 @@ class Metrics:
             "prompt_tokens) ÷ prompt_tokens; negative means kvgate under-counts.",
             ["model", "endpoint"], registry=r,
         )
+
+    def _store(self, r: CollectorRegistry) -> None:
+        """The state store, and config reloads."""
         self.store_up = Gauge(
             "kvgate_state_store_up", "1 when the state store answers.", ["backend"], registry=r,
         )
@@ -347,7 +329,8 @@ class Metrics:
             registry=r,
         )
 
-        # Prompt normalization and system-prompt fingerprints (kvgate/normalize/).
+    def _prompts(self, r: CollectorRegistry) -> None:
+        """Prompt normalization and system-prompt fingerprints (kvgate/normalize/)."""
         self.normalization_requests = Counter(
             "kvgate_normalization_requests", "Requests the normalizer saw, by result (modified, "
             "unchanged): the share modified is modified / (modified + unchanged).", ["result"],
@@ -388,7 +371,6 @@ class Metrics:
             "tokens) since the replica started, as scraped (NaN when stale or unknown).",
             ["replica"], registry=r,
         )
-        self._mirrored: dict[tuple[int, tuple[str, ...]], float] = {}
 
     def mirror(self, counter: Counter, labels: tuple[str, ...], total: float) -> None:
         """Advance `counter` to a cumulative figure kept elsewhere (a store's error count,
