@@ -10,13 +10,14 @@ import hashlib
 import logging
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
 from kvgate.app import RESTART_ONLY, reload
 from kvgate.config import Config, parse_config
 from kvgate.state.memory import MemoryStore
+from tests.plugins import client
+from tests.plugins.client import Reply
 from tests.plugins.clock import VirtualTime
 from tests.plugins.gateway import RunningGateway, StubUpstream, gateway_config
 from tests.plugins.waiting import eventually
@@ -41,19 +42,12 @@ async def again(gw: RunningGateway, **sections: Any) -> Config:
     return config
 
 
+async def answer(gw: RunningGateway, body: Any, headers: dict[str, str] | None = None) -> Reply:
+    return await client.post(f"{gw.url}/v1/chat/completions", body, headers=headers)
+
+
 async def post(gw: RunningGateway, body: Any, headers: dict[str, str] | None = None) -> int:
-    async with aiohttp.ClientSession() as http, http.post(
-        f"{gw.url}/v1/chat/completions", json=body, headers=headers or {}
-    ) as resp:
-        await resp.read()
-        return resp.status
-
-
-async def answer(gw: RunningGateway, body: Any) -> tuple[int, bytes, dict[str, str]]:
-    async with aiohttp.ClientSession() as http, http.post(
-        f"{gw.url}/v1/chat/completions", json=body
-    ) as resp:
-        return resp.status, await resp.read(), dict(resp.headers)
+    return (await answer(gw, body, headers)).status
 
 
 async def test_server_body_limit_and_headers_change_at_once(running):
@@ -84,9 +78,9 @@ async def test_routing_takes_effect(running):
 async def test_calibration_bounds_take_effect(running):
     gw, _, _ = running
     chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}
-    _, _, before = await answer(gw, chat)
+    _, before, _ = await answer(gw, chat)
     await again(gw, calibration={"min_ratio": 3, "max_ratio": 4})
-    _, _, after = await answer(gw, chat)
+    _, after, _ = await answer(gw, chat)
     # at least 3 of kvgate's counted tokens per text token now, at most 1.5 before
     assert int(after["X-Kvgate-Prompt-Tokens"]) > int(before["X-Kvgate-Prompt-Tokens"]) + 300
 
@@ -211,7 +205,7 @@ async def test_a_lower_queue_depth_refuses_the_next_newcomer(stub_factory, gatew
     queue = gw.gateway.admission.pool("default").queue
     await eventually(lambda: _queued(queue, 1), what="the second request queued")
     await again(gw, admission={"target_utilization": 1.0, "queue": {"max_depth": 1}})
-    status, refused, _ = await answer(gw, body)
+    status, _, refused = await answer(gw, body)
     assert status == 429 and orjson.loads(refused)["error"]["code"] == "queue_full"
     assert stub.gate is not None
     stub.gate.set()  # nobody already queued was shed: both finish

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import pytest
@@ -126,34 +125,6 @@ async def test_a_target_above_max_wait_s_does_not_let_in_a_request_bound_to_time
         QueueConfig(max_wait_s=2, ttft_target_s={"standard": 10})
     )
     assert refused.code == "wait_budget_exceeded"
-
-
-async def test_a_large_streamed_body_with_long_stream_options_is_forwarded_not_a_500():
-    """stream_options is an open object (extra keys allowed). Above 256 bytes the worker sends
-    it back as JSON and the loop keeps it as an orjson.Fragment; upstream_body then does
-    dict(body['stream_options']) and raises TypeError (a 500) for a body the loop path
-    forwards fine. Taken off the loop when the body is large (>128 KiB) and normalization
-    edited it (or the client did not ask for usage)."""
-    from kvgate.metrics import Metrics
-    from kvgate.normalize.stage import PromptStage
-    from kvgate.request.catalog import Bound, upstream_payload
-    from kvgate.request.front import FrontStage
-    from kvgate.request.parsed import Endpoint
-    from tests.request.test_front import RUNTIME, TENANT, Labels, allow, chat
-
-    body = chat(stream=True, stream_options={"include_usage": False, "note": "x" * 300})
-    raw = json.dumps(body).encode()
-    here = FrontStage(PromptStage(Metrics()), off_process_bytes=1 << 40,
-                      off_process_objects=1 << 40)
-    there = FrontStage(PromptStage(Metrics()), off_process_bytes=0, workers=1)
-    try:
-        bound = Bound(10, 16, 26, set_max_tokens=False)
-        on_loop = await here.take(raw, Endpoint.CHAT, RUNTIME, Labels(), lambda: TENANT, allow)
-        expected = upstream_payload(on_loop.parsed, bound, None)
-        off = await there.take(raw, Endpoint.CHAT, RUNTIME, Labels(), lambda: TENANT, allow)
-        assert upstream_payload(off.parsed, bound, None) == expected
-    finally:
-        there.close()
 
 
 async def test_worst_case_reservations_fill_the_admissible_blocks_when_the_factor_is_low():

@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate.epp.server import PROCESSOR, SERVICES
 from kvgate.epp.stream import SERVED
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.bodies import SIM_MODEL
+from tests.plugins.client import Reply
 from tests.plugins.envoy import epp_config, picker_of
 from tests.plugins.gateway import openai_error, wait_released, wait_settled
 from tests.plugins.waiting import eventually
@@ -33,11 +34,9 @@ def address(replica: Any) -> str:
 
 
 async def post(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], path: str = "/v1/chat/completions",
-    **kwargs: Any,
-) -> tuple[int, dict[str, str], bytes]:
-    async with http.post(f"{url}{path}", json=body, **kwargs) as resp:
-        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> Reply:
+    return await client.post(f"{url}/v1/chat/completions", body, http=http, headers=headers)
 
 
 TOOLS = [{"type": "function", "function": {
@@ -152,13 +151,11 @@ async def test_bad_input_is_refused_through_envoy_and_never_forwarded(
             (orjson.dumps(bodies.chat(max_tokens=10_000)), 400),  # past max_model_len
         ]
         for raw, status in cases:
-            async with http.post(
-                f"{envoy.url}/v1/chat/completions", data=raw,
-                headers={"Content-Type": "application/json", "X-Request-Id": "bad-1"},
-            ) as resp:
-                assert resp.status == status, (raw, await resp.read())
-                assert resp.headers["x-request-id"] == "bad-1"
-                openai_error(await resp.read())
+            reply = await post(http, envoy.url, raw,
+                               {"Content-Type": "application/json", "X-Request-Id": "bad-1"})
+            assert reply.status == status, (raw, reply.body)
+            assert reply.headers["x-request-id"] == "bad-1"
+            openai_error(reply.body)
     assert stub.received == [], "a refused request reached the replica"
     await wait_released(gw)
 

@@ -11,12 +11,11 @@ import asyncio
 import hashlib
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
 from kvgate.request.catalog import vllm_priority
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.envoy import epp_config
 from tests.plugins.gateway import gateway_config, openai_error, wait_released
 from tests.plugins.waiting import eventually
@@ -52,11 +51,11 @@ async def url_and_stub(request, stub_factory, gateway_factory, envoy_factory):
 
 
 async def post(url: str, body: dict[str, Any], key: str, **headers: str) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as http, http.post(
-        f"{url}/v1/chat/completions", data=orjson.dumps(body),
+    status, _, raw = await client.post(
+        f"{url}/v1/chat/completions", orjson.dumps(body),
         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json", **headers},
-    ) as resp:
-        return resp.status, await resp.read()
+    )
+    return status, raw
 
 
 async def test_a_rewritten_model_is_served_as_the_gateway_says(url_and_stub):

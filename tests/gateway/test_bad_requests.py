@@ -19,6 +19,7 @@ import pytest_asyncio
 
 from kvgate.app import build_app
 from tests.plugins.bodies import chat
+from tests.plugins.client import Reply, post
 from tests.plugins.gateway import (
     RunningGateway,
     StubUpstream,
@@ -27,13 +28,11 @@ from tests.plugins.gateway import (
     serve_app,
     wait_settled,
 )
+from tests.request.vectors import CHAT, COMPLETIONS, REFUSALS, USER_HI
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 BODY_LIMIT = 64 * 1024
-USER_HI = [{"role": "user", "content": "hi"}]
 
 
 @dataclass
@@ -42,12 +41,10 @@ class Target:
     gw: RunningGateway
     session: aiohttp.ClientSession
 
-    async def post(
-        self, path: str, body: Any, **kwargs: Any
-    ) -> tuple[int, dict[str, str], bytes]:
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
+        """`body` as bytes: encoded here unless it is already."""
         data = body if isinstance(body, bytes) else orjson.dumps(body)
-        async with self.session.post(f"{self.gw.url}{path}", data=data, **kwargs) as r:
-            return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+        return await post(f"{self.gw.url}{path}", data, http=self.session, headers=headers)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -71,58 +68,6 @@ def nothing_forwarded(target: Target) -> Iterator[None]:
     before = len(target.stub.received)
     yield
     assert target.stub.received[before:] == [], "a refused request reached the replica"
-
-
-# (id, path, body, status, code, param)
-REFUSALS: list[tuple[str, str, Any, int, str | None, str | None]] = [
-    ("malformed-json", CHAT, b'{"model": "stub-model", ', 400, None, None),
-    ("empty-body", CHAT, b"", 400, None, None),
-    ("array-body", CHAT, b"[1, 2]", 400, None, None),
-    ("string-body", CHAT, b'"hello"', 400, None, None),
-    ("null-body", CHAT, b"null", 400, None, None),
-    ("missing-model", CHAT, {"messages": USER_HI}, 400, None, "model"),
-    ("empty-model", CHAT, chat(model=""), 400, None, "model"),
-    ("model-not-string", CHAT, chat(model=7), 400, None, "model"),
-    ("missing-messages", CHAT, {"model": "stub-model"}, 400, None, "messages"),
-    ("missing-prompt", COMPLETIONS, {"model": "stub-model"}, 400, None, "prompt"),
-    ("messages-not-list", CHAT, chat(messages="hi"), 400, None, "messages"),
-    ("messages-empty", CHAT, chat(messages=[]), 400, None, "messages"),
-    ("message-not-object", CHAT, chat(messages=["hi"]), 400, None, "messages[0]"),
-    ("role-missing", CHAT, chat(messages=[{"content": "hi"}]), 400, None, "messages[0].role"),
-    ("content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, None,
-     "messages[0].content"),
-    ("content-object", CHAT, chat(messages=[{"role": "user", "content": {"text": "hi"}}]), 400,
-     None, "messages[0].content"),
-    ("stream-string", CHAT, chat(stream="yes"), 400, None, "stream"),
-    ("stream-options-string", CHAT, chat(stream=True, stream_options="x"), 400, None,
-     "stream_options"),
-    ("max-tokens-string", CHAT, chat(max_tokens="5"), 400, None, "max_tokens"),
-    ("max-tokens-bool", CHAT, chat(max_tokens=True), 400, None, "max_tokens"),
-    ("max-tokens-float", CHAT, chat(max_tokens=5.0), 400, None, "max_tokens"),
-    ("max-tokens-zero", CHAT, chat(max_tokens=0), 400, None, "max_tokens"),
-    ("max-tokens-negative", CHAT, chat(max_tokens=-3), 400, None, "max_tokens"),
-    ("max-tokens-absurd", CHAT, chat(max_tokens=10**9), 400, None, "max_tokens"),
-    ("max-completion-tokens-string", CHAT, chat(max_completion_tokens="9"), 400, None,
-     "max_completion_tokens"),
-    ("user-not-string", CHAT, chat(user=5), 400, None, "user"),
-    ("unknown-model", CHAT, chat(model="no-such-model"), 404, "model_not_found", "model"),
-    ("unknown-model-completions", COMPLETIONS,
-     {"model": "no-such-model", "prompt": "hi", "max_tokens": 5}, 404, "model_not_found", "model"),
-    # The stub reports max_model_len 4096.
-    ("prompt-plus-max-tokens-over-context", CHAT, chat(max_tokens=4095), 400,
-     "context_length_exceeded", "max_tokens"),
-    # vLLM reads max_completion_tokens first: a small max_tokens beside it bounds nothing,
-    # and the error names the field that was too large.
-    ("max-completion-tokens-over-context-beside-small-max-tokens", CHAT,
-     chat(max_tokens=5, max_completion_tokens=4095), 400, "context_length_exceeded",
-     "max_completion_tokens"),
-    ("completions-over-context", COMPLETIONS,
-     {"model": "stub-model", "prompt": "hello there", "max_tokens": 4095}, 400,
-     "context_length_exceeded", "max_tokens"),
-    ("prompt-alone-over-context", CHAT,
-     {"model": "stub-model", "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
-     "context_length_exceeded", "messages"),
-]
 
 
 @pytest.mark.parametrize(
@@ -185,12 +130,12 @@ async def test_body_over_the_limit_in_chunked_encoding_is_413(
     assert openai_error(raw)["code"] == "request_too_large"
 
 
-async def _post_stream(
-    target: Target, path: str, body: AsyncIterator[bytes]
-) -> tuple[int, dict[str, str], bytes]:
+async def _post_stream(target: Target, path: str, body: AsyncIterator[bytes]) -> Reply:
+    """aiohttp itself, not tests.plugins.client.post: this checks how the request went out
+    (chunked), which a Reply does not carry."""
     async with target.session.post(f"{target.gw.url}{path}", data=body) as r:
         assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
-        return r.status, dict(r.headers), await r.read()
+        return Reply(r.status, r.headers, await r.read())
 
 
 async def test_body_under_the_limit_in_chunked_encoding_is_served(target: Target) -> None:
@@ -347,13 +292,12 @@ async def test_a_configured_max_model_len_above_the_replicas_is_held_to_theirs()
     try:
         await gw.wait_healthy()
         async with aiohttp.ClientSession() as session:
-            async with session.post(f"{gw.url}{CHAT}", json=chat(max_tokens=10_000)) as r:
-                status, raw = r.status, await r.read()
+            status, _, raw = await post(f"{gw.url}{CHAT}", chat(max_tokens=10_000), http=session)
             assert status == 400, raw
             assert openai_error(raw)["code"] == "context_length_exceeded"
             assert "4096" in openai_error(raw)["message"]
-            async with session.post(f"{gw.url}{CHAT}", json=chat(max_tokens=4000)) as r:
-                assert r.status == 200, await r.read()
+            status, _, raw = await post(f"{gw.url}{CHAT}", chat(max_tokens=4000), http=session)
+            assert status == 200, raw
         assert len(stub.received) == 1  # the refused one was never forwarded
     finally:
         await runner.cleanup()

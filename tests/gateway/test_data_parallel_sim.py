@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.fleet.block_index import block_keys
 from kvgate.sim.server import SimReplica
+from tests.plugins import client
 from tests.plugins.gateway import gateway_config, serve_app
 from tests.plugins.kv_events import SIM_CHATML
 from tests.plugins.kv_events import document_chat as chat
@@ -100,10 +101,9 @@ async def test_each_rank_is_followed_and_a_request_is_pinned_to_the_rank_holding
         events = gw.gateway.kv_events
         async with aiohttp.ClientSession() as http:
             async def post(target: str, body: dict[str, Any], **headers: str) -> None:
-                async with http.post(f"{target}/v1/chat/completions", json=body,
-                                     headers=headers) as response:
-                    assert response.status == 200, await response.text()
-                    await response.read()
+                status, _, raw = await client.post(f"{target}/v1/chat/completions", body,
+                                                   http=http, headers=headers)
+                assert status == 200, raw
 
             warm = iter(range(100, 10_000))
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from multidict import CIMultiDictProxy
 
 from tests.plugins import bodies
 from tests.plugins.bodies import OMIT, SIM_MODEL
+from tests.plugins.client import post
 from tests.plugins.gateway import gateway_config
 
 # A small replica: 256 blocks, 230 admissible at target_utilization 0.9.
@@ -28,15 +31,13 @@ def chat(max_tokens: int | None = 900, i: int = 0) -> dict:
                        max_tokens=OMIT if max_tokens is None else max_tokens)
 
 
-async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict, dict]]:
+async def post_all(url: str, bodies: list[dict]) -> list[tuple[int, CIMultiDictProxy[str], Any]]:
     """Every body at once; (status, headers, JSON) each."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-        async def one(body: dict) -> tuple[int, dict, dict]:
-            async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-                return r.status, dict(r.headers), await r.json()
-
-        return await asyncio.gather(*(one(b) for b in bodies))
+    async with aiohttp.ClientSession() as http:
+        replies = await asyncio.gather(*(
+            post(f"{url}/v1/chat/completions", body, http=http, timeout_s=120) for body in bodies
+        ))
+    return [(reply.status, reply.headers, reply.json()) for reply in replies]
 
 
 async def test_sixteen_requests_that_fit_three_at_a_time_all_complete_with_the_defaults(
@@ -96,12 +97,12 @@ async def test_without_max_tokens_the_body_is_forwarded_byte_for_byte(
     stub = await stub_factory()
     gw = await gateway_factory(gateway_config([stub.url], admission={"mode": mode}))
     raw = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}]}'
-    async with aiohttp.ClientSession() as session, session.post(
-        f"{gw.url}/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}
-    ) as r:
-        assert r.status == 200, await r.text()
-        reserved = int(r.headers["X-Kvgate-Reserved-Blocks"])
-        prompt = int(r.headers["X-Kvgate-Prompt-Tokens"])
+    status, headers, answer = await post(
+        f"{gw.url}/v1/chat/completions", raw, headers={"Content-Type": "application/json"}
+    )
+    assert status == 200, answer
+    reserved = int(headers["X-Kvgate-Reserved-Blocks"])
+    prompt = int(headers["X-Kvgate-Prompt-Tokens"])
     assert stub.received == [{"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}]
     if mode == "worst_case":
         assert reserved == 4096 // 16  # the stub's whole context

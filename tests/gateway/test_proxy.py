@@ -8,14 +8,9 @@ import aiohttp
 import openai
 import orjson
 
+from tests.plugins.client import post
 from tests.plugins.gateway import gateway_config
 from tests.plugins.waiting import eventually
-
-
-async def post(url: str, body: object, **kwargs: object) -> tuple[int, dict, bytes]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body, **kwargs) as r:
-        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
-
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 

@@ -17,8 +17,9 @@ import orjson
 from kvgate.config import Config
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.bodies import SIM_MODEL
+from tests.plugins.client import Reply
 from tests.plugins.gateway import (
     RunningGateway,
     StubUpstream,
@@ -39,11 +40,8 @@ def chat(text: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     return bodies.chat(text, model=SIM_MODEL, max_tokens=max_tokens, **extra)
 
 
-async def post(
-    http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any]
-) -> tuple[int, dict[str, str], bytes]:
-    async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
-        return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+async def post(http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any]) -> Reply:
+    return await client.post(f"{gw.url}/v1/chat/completions", body, http=http)
 
 
 def rejections(gw: RunningGateway, replica: str, reason: str = "max_num_queued_reqs") -> float:

@@ -16,9 +16,10 @@ from kvgate.request.parsed import Endpoint, parse_body
 from kvgate.routing.sessions import Sessions, session_key
 from kvgate.sim.faults import Faults
 from kvgate.state.redis import RedisStore
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.bodies import SIM_MODEL
 from tests.plugins.gateway import RunningGateway, gateway_config, wait_released
+from tests.plugins.metrics import sample_value
 from tests.plugins.waiting import eventually
 
 SIM = dict(num_gpu_blocks=512, max_model_len=4096, time_scale=0.02, output_len_dist="max")
@@ -33,9 +34,8 @@ async def post(
     http: aiohttp.ClientSession, gw: RunningGateway, body: dict[str, Any], session: str | None = None
 ) -> tuple[int, str | None]:
     headers = {"X-Session-Id": session} if session else {}
-    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("X-Kvgate-Replica")
+    reply = await client.post(f"{gw.url}/v1/chat/completions", body, http=http, headers=headers)
+    return reply.status, reply.headers.get("X-Kvgate-Replica")
 
 
 async def exported(gw: RunningGateway, line: str) -> None:
@@ -162,10 +162,10 @@ async def test_a_stream_cut_after_it_began_is_not_retried(sim_factory, gateway_f
     async with aiohttp.ClientSession() as http:
         for i in range(2):  # round robin: one of the two goes to the dropping replica
             body = {**chat(f"q{i}", 16), "stream": True}
-            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200
-                raw = await resp.read()
-            if resp.headers["X-Kvgate-Replica"] == "r0":
+            status, headers, raw = await client.post(f"{gw.url}/v1/chat/completions", body,
+                                                     http=http)
+            assert status == 200
+            if headers["X-Kvgate-Replica"] == "r0":
                 assert b'"error"' in raw  # told in-band; never sent twice
                 cut += 1
     assert cut == 1
@@ -286,10 +286,10 @@ async def test_a_session_waiting_for_its_replica_does_not_hold_up_other_requests
         await eventually(lambda: gw.gateway.admission.reserved.get(home, 0) >= 50)
         held = asyncio.create_task(post(http, gw, chat("turn 2"), session="s1"))
         await eventually(lambda: len(gw.gateway.admission.pool("default").queue) == 1)
-        before = admissions.labels("default", other, "no")._value.get()
+        before = sample_value(admissions, "default", other, "no")
         assert await post(http, gw, chat("no session")) == (200, other)
         # placed at once, not queued behind the session's request
-        assert admissions.labels("default", other, "no")._value.get() == before + 1
+        assert sample_value(admissions, "default", other, "no") == before + 1
         assert not held.done()
         await filler
         assert (await held)[0] == 200

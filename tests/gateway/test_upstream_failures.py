@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Any
 
-import aiohttp
 import orjson
 
+from tests.plugins.client import post
 from tests.plugins.gateway import gateway_config, openai_error, wait_settled
 from tests.plugins.waiting import eventually
 
@@ -19,11 +18,6 @@ CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], 
 STREAM = {**CHAT, "stream": True}
 # Discovery that sees a replica once and then not again during the test.
 SLOW_DISCOVERY = {"interval_s": 60, "timeout_s": 1.0}
-
-
-async def post(url: str, body: Any) -> tuple[int, dict[str, str], bytes]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
-        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
 
 
 def closed_port_url() -> str:

@@ -17,6 +17,7 @@ import pytest
 from kvgate.request.catalog import vllm_priority
 from kvgate.request.rules import CLIENT_PRIORITY_SPAN
 from kvgate.sim.stub import StubUpstream
+from tests.plugins import client
 from tests.plugins.bodies import SIM_MODEL, STUB_MODEL, chat
 from tests.plugins.gateway import gateway_config, serve_app, wait_settled
 
@@ -46,9 +47,9 @@ def config(sim_url: str, policy: str | None, model: str = SIM_MODEL) -> Any:
 async def post(
     session: aiohttp.ClientSession, url: str, key: str, model: str = SIM_MODEL, **fields: Any
 ) -> tuple[int, Any]:
-    async with session.post(f"{url}/v1/chat/completions", json=chat(model=model, **fields),
-                            headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
-        return r.status, await r.json()
+    reply = await client.post(f"{url}/v1/chat/completions", chat(model=model, **fields),
+                              http=session, headers={"Authorization": f"Bearer {key}"})
+    return reply.status, reply.json()
 
 
 def test_classes_map_to_vllm_priorities_in_order_and_a_client_orders_within_its_class() -> None:

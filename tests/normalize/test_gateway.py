@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.app import build_app
 from kvgate.exchange import EXCHANGE, Exchange
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.gateway import RunningGateway, gateway_config, serve_app
 from tests.plugins.waiting import eventually
 
@@ -30,11 +30,7 @@ def chat(system: str, question: str = "hi", **fields: Any) -> dict[str, Any]:
 
 async def post(gw: RunningGateway, body: dict[str, Any], tenant: str | None = None) -> int:
     headers = {"X-Tenant-Id": tenant} if tenant else {}
-    async with aiohttp.ClientSession() as session, session.post(
-        f"{gw.url}/v1/chat/completions", json=body, headers=headers
-    ) as response:
-        await response.read()
-        return response.status
+    return (await client.post(f"{gw.url}/v1/chat/completions", body, headers=headers)).status
 
 
 async def scrape(gw: RunningGateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

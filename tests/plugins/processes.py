@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.plugins.client import Reply, post
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -125,8 +127,5 @@ async def wait_ready(url: str, timeout_s: float = 20.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def chat(url: str, body: dict[str, Any] = CHAT) -> tuple[int, dict[str, str], bytes]:
-    async with aiohttp.ClientSession() as session, session.post(
-        f"{url}/v1/chat/completions", json=body
-    ) as r:
-        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+async def chat(url: str, body: dict[str, Any] = CHAT) -> Reply:
+    return await post(f"{url}/v1/chat/completions", body)

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.fleet.block_index import block_keys
 from kvgate.tools.tiny_model import MODEL_NAME
 from kvgate.tools.vllm_cpu import Engine, EngineSpec
+from tests.plugins import client
 from tests.plugins.processes import free_port
 from tests.plugins.waiting import eventually
 from tests.real.conftest import document_chat as chat
@@ -64,10 +65,9 @@ async def test_two_ranks_behind_one_server_are_counted_once_followed_each_and_pi
 
         async def post(url: str, body: dict[str, Any], engine: int | None = None) -> None:
             headers = {} if engine is None else {"X-data-parallel-rank": str(engine)}
-            async with http.post(f"{url}/v1/chat/completions", json=body,
-                                 headers=headers) as response:  # fmt: skip
-                assert response.status == 200, await response.text()
-                await response.read()
+            status, _, raw = await client.post(f"{url}/v1/chat/completions", body, http=http,
+                                               headers=headers)
+            assert status == 200, raw
 
         async def listening() -> bool:  # each rank's SUB socket joins late: prompts until heard
             for stream, engine in (("dp", 0), ("dp/dp1", 1)):

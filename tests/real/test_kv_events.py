@@ -12,6 +12,7 @@ import pytest
 from kvgate.fleet.block_index import block_keys
 from kvgate.fleet.engine_hash import EngineHashes
 from kvgate.tools.tiny_model import MODEL_NAME
+from tests.plugins import client
 from tests.plugins.gateway import wait_released
 from tests.plugins.waiting import eventually
 from tests.real.conftest import document_chat as chat
@@ -22,10 +23,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str | None:
-    async with http.post(f"{url}/v1/chat/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        await response.read()
-        return response.headers.get("X-Kvgate-Replica")
+    status, headers, raw = await client.post(f"{url}/v1/chat/completions", body, http=http)
+    assert status == 200, raw
+    return headers.get("X-Kvgate-Replica")
 
 
 async def test_a_shared_document_goes_to_the_engine_that_holds_it_until_that_engine_restarts(

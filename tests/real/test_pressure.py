@@ -14,6 +14,7 @@ import pytest
 
 from kvgate.config import parse_config
 from kvgate.tools.tiny_model import MODEL_NAME
+from tests.plugins import client
 from tests.plugins.gateway import RunningGateway, wait_released
 from tests.plugins.waiting import eventually
 from tests.real.conftest import real_config, vllm_figures, wait_idle
@@ -29,8 +30,8 @@ def chat(i: int, max_tokens: int, **fields: Any) -> dict[str, Any]:
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    async with http.post(f"{url}/v1/chat/completions", json=body) as response:
-        return response.status, await response.read()
+    status, _, raw = await client.post(f"{url}/v1/chat/completions", body, http=http)
+    return status, raw
 
 
 def sample(gw: RunningGateway, name: str, **labels: str) -> float:

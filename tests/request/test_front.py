@@ -23,9 +23,8 @@ from kvgate.request.front import Front, FrontStage
 from kvgate.request.parsed import Endpoint, ParsedRequest
 from kvgate.routing.sessions import session_key
 from kvgate.runtime import Runtime
-from tests.gateway.test_bad_requests import REFUSALS
 from tests.plugins import bodies
-from tests.request.test_schema import REFUSED, nested
+from tests.request.vectors import REFUSALS, REFUSED, nested
 
 CONFIG = parse_config({"pools": {"default": {"replicas": [{"url": "http://127.0.0.1:9"}]}}})
 RUNTIME = Runtime.load(CONFIG)
@@ -159,3 +158,24 @@ async def test_above_the_threshold_the_body_is_read_in_another_process_and_kept_
     for message in off_loop.parsed.body["messages"]:
         assert isinstance(message["role"], str)
         assert isinstance(message["content"], orjson.Fragment)
+
+
+async def test_a_large_streamed_body_with_long_stream_options_is_forwarded_not_a_500():
+    """stream_options is an open object (extra keys allowed). Above 256 bytes the worker sends
+    it back as JSON and the loop keeps it as an orjson.Fragment; upstream_body then does
+    dict(body['stream_options']) and raises TypeError (a 500) for a body the loop path
+    forwards fine. Taken off the loop when the body is large (>128 KiB) and normalization
+    edited it (or the client did not ask for usage)."""
+    body = chat(stream=True, stream_options={"include_usage": False, "note": "x" * 300})
+    raw = json.dumps(body).encode()
+    here = FrontStage(PromptStage(Metrics()), off_process_bytes=1 << 40,
+                      off_process_objects=1 << 40)
+    there = FrontStage(PromptStage(Metrics()), off_process_bytes=0, workers=1)
+    try:
+        bound = Bound(10, 16, 26, set_max_tokens=False)
+        on_loop = await here.take(raw, Endpoint.CHAT, RUNTIME, Labels(), lambda: TENANT, allow)
+        expected = upstream_payload(on_loop.parsed, bound, None)
+        off = await there.take(raw, Endpoint.CHAT, RUNTIME, Labels(), lambda: TENANT, allow)
+        assert upstream_payload(off.parsed, bound, None) == expected
+    finally:
+        there.close()

@@ -3,90 +3,14 @@ anything is forwarded; fields nobody knows pass through untouched."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import orjson
 import pytest
 
 from kvgate.errors import BadRequest
 from kvgate.request.parsed import Endpoint, parse_body
-
-USER_HI = [{"role": "user", "content": "hi"}]
-
-
-def chat(**fields: Any) -> bytes:
-    return json.dumps({"model": "m", "messages": USER_HI, **fields}).encode()
-
-
-def completion(**fields: Any) -> bytes:
-    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
-
-
-def nested(depth: int) -> Any:
-    value: Any = {}
-    for _ in range(depth):
-        value = {"x": value}
-    return value
-
-
-# (id, endpoint, body, param)
-REFUSED: list[tuple[str, Endpoint, bytes, str]] = [
-    ("temperature-string", Endpoint.CHAT, chat(temperature="hot"), "temperature"),
-    ("temperature-above-2", Endpoint.CHAT, chat(temperature=2.5), "temperature"),
-    ("temperature-negative", Endpoint.CHAT, chat(temperature=-0.1), "temperature"),
-    ("temperature-bool", Endpoint.CHAT, chat(temperature=True), "temperature"),
-    ("top-p-above-1", Endpoint.CHAT, chat(top_p=1.5), "top_p"),
-    ("stop-number", Endpoint.CHAT, chat(stop=5), "stop"),
-    ("stop-list-of-numbers", Endpoint.CHAT, chat(stop=["a", 5]), "stop[1]"),
-    ("logprobs-int-on-chat", Endpoint.CHAT, chat(logprobs=3), "logprobs"),
-    ("top-logprobs-over-20", Endpoint.CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    ("top-logprobs-without-logprobs", Endpoint.CHAT, chat(top_logprobs=2), "top_logprobs"),
-    ("tools-object", Endpoint.CHAT, chat(tools={"type": "function"}), "tools"),
-    ("tool-without-type", Endpoint.CHAT, chat(tools=[{"function": {"name": "f"}}]), "tools[0].type"),
-    ("tool-function-without-name", Endpoint.CHAT,
-     chat(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools[0].function.name"),
-    ("tool-parameters-list", Endpoint.CHAT,
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
-     "tools[0].function.parameters"),
-    ("tool-choice-unknown-word", Endpoint.CHAT, chat(tool_choice="always"), "tool_choice"),
-    ("tool-choice-number", Endpoint.CHAT, chat(tool_choice=1), "tool_choice"),
-    ("response-format-string", Endpoint.CHAT, chat(response_format="json"), "response_format"),
-    ("response-format-without-type", Endpoint.CHAT, chat(response_format={}),
-     "response_format.type"),
-    ("seed-string", Endpoint.CHAT, chat(seed="1"), "seed"),
-    ("seed-beyond-int64", Endpoint.CHAT, chat(seed=2**64), "seed"),
-    ("presence-penalty-above-2", Endpoint.CHAT, chat(presence_penalty=3), "presence_penalty"),
-    ("frequency-penalty-string", Endpoint.CHAT, chat(frequency_penalty="0"), "frequency_penalty"),
-    ("logit-bias-list", Endpoint.CHAT, chat(logit_bias=[1]), "logit_bias"),
-    ("logit-bias-out-of-range", Endpoint.CHAT, chat(logit_bias={"50256": 101}), "logit_bias.50256"),
-    ("stream-options-include-usage-string", Endpoint.CHAT,
-     chat(stream=True, stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
-    ("role-unknown", Endpoint.CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]),
-     "messages[0].role"),
-    ("tool-call-function-not-object", Endpoint.CHAT,
-     chat(messages=[*USER_HI, {"role": "assistant", "tool_calls": [{"function": 5}]}]),
-     "messages[1].tool_calls[0].function"),
-    ("parallel-tool-calls-string", Endpoint.CHAT, chat(parallel_tool_calls="yes"),
-     "parallel_tool_calls"),
-    ("completions-empty-prompt", Endpoint.COMPLETIONS, completion(prompt=""), "prompt"),
-    ("completions-empty-prompt-in-batch", Endpoint.COMPLETIONS, completion(prompt=["a", ""]),
-     "prompt"),
-    ("completions-logprobs-bool", Endpoint.COMPLETIONS, completion(logprobs=True), "logprobs"),
-    ("completions-logprobs-over-20", Endpoint.COMPLETIONS, completion(logprobs=21), "logprobs"),
-    ("completions-echo-string", Endpoint.COMPLETIONS, completion(echo="no"), "echo"),
-    # vLLM's chat takes echo too (a bool): the fuzzer found a list forwarded
-    ("chat-echo-list", Endpoint.CHAT, chat(echo=[]), "echo"),
-    ("completions-suffix-number", Endpoint.COMPLETIONS, completion(suffix=1), "suffix"),
-    ("vllm-priority-raised-by-client", Endpoint.CHAT, chat(priority=-100), "priority"),
-    ("vllm-priority-not-an-integer", Endpoint.CHAT, chat(priority="high"), "priority"),
-    # orjson reads 1024 levels but writes 254: deeper could be parsed, never forwarded
-    ("unknown-field-nested-300-deep", Endpoint.CHAT, chat(vendor_extension=nested(300)),
-     "vendor_extension"),
-    ("content-part-nested-300-deep", Endpoint.CHAT,
-     chat(messages=[{"role": "user", "content": [{"type": "x", "x": nested(300)}]}]),
-     "messages"),
-]
+from tests.request.vectors import REFUSED, USER_HI, nested
+from tests.request.vectors import chat_bytes as chat
+from tests.request.vectors import completion_bytes as completion
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,11 @@ from collections.abc import Sequence
 from kvgate.admission.demand import Demand
 from kvgate.admission.stage import Admission, Ranker
 from kvgate.config import AdmissionConfig, Config, ReplicaConfig, parse_config
+from kvgate.fleet.block_index import BlockIndex
 from kvgate.fleet.health import Breakers
+from kvgate.fleet.kv_events import KvEvents
+from kvgate.fleet.kv_subscriber import ReplicaEvents
+from kvgate.fleet.kv_wire import Event
 from kvgate.fleet.replicas import Replica
 from kvgate.fleet.scrape import Scrape
 from kvgate.fleet.snapshot import Fleet, take_snapshot
@@ -96,3 +100,19 @@ def in_order(admission: Admission, replicas: Sequence[Replica]) -> Ranker:
         return Ranking(list(view.take(admission.current())))
 
     return rank
+
+
+def indexed(held: dict[str, list[int]]) -> KvEvents:
+    """KV events whose index for each replica holds the blocks of the given token ids (block
+    size 16, as the fleets' replicas)."""
+    events = KvEvents(Metrics())
+    for replica_id, tokens in held.items():
+        state = events.states[replica_id] = ReplicaEvents(BlockIndex(10_000))
+        state.sequencer.last = 0  # it has heard from the replica: its index is trusted
+        if tokens:
+            state.index.apply(Event("stored", tuple(range(len(tokens) // 16)), None,
+                                    tuple(tokens[: len(tokens) // 16 * 16]), 16))
+    return events
+
+
+DOCUMENT = list(range(1000, 1000 + 16 * 8))  # eight blocks

@@ -9,6 +9,7 @@ from kvgate.metrics import Metrics
 from kvgate.request.parsed import Endpoint, parse_body
 from kvgate.routing.sessions import Sessions, session_key
 from kvgate.state.memory import MemoryStore
+from tests.plugins.metrics import sample_value
 from tests.routing.fleets import fleet, replica
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -80,7 +81,7 @@ async def test_bindings_are_new_then_hit_then_rebound_with_the_reason():
     sessions.forget_reads()  # another instance's view: read the store
     await sessions.ran_on("s", "b", drained, config.ttl_s)
     assert await store.lookup(Sessions.store_key("s")) == "b"
-    count = metrics.session_routes.labels
-    assert count("new", "unbound")._value.get() == 1
-    assert count("hit", "bound")._value.get() == 1
-    assert count("rebound", "draining")._value.get() == 1
+    routes = metrics.session_routes
+    assert sample_value(routes, "new", "unbound") == 1
+    assert sample_value(routes, "hit", "bound") == 1
+    assert sample_value(routes, "rebound", "draining") == 1

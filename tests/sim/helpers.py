@@ -9,6 +9,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim.server import SimReplica
+from tests.plugins import client
 
 # A replica that answers in milliseconds: small pool, fast simulated GPU.
 FAST = {"time_scale": 0.001, "num_gpu_blocks": 256, "max_model_len": 1024}
@@ -33,8 +34,8 @@ async def post(
     http: aiohttp.ClientSession, replica: SimReplica, path: str, body: dict[str, Any]
 ) -> tuple[int, Any]:
     """POST a JSON body; the status and the decoded JSON answer."""
-    async with http.post(replica.url + path, json=body) as response:
-        return response.status, orjson.loads(await response.read())
+    reply = await client.post(replica.url + path, body, http=http)
+    return reply.status, reply.json()
 
 
 async def ok(
@@ -50,9 +51,9 @@ async def post_stream(
     http: aiohttp.ClientSession, replica: SimReplica, path: str, body: dict[str, Any]
 ) -> list[Any]:
     """POST a streaming request; its events decoded, `[DONE]` kept as the string."""
-    async with http.post(replica.url + path, json={**body, "stream": True}) as response:
-        assert response.status == 200, await response.text()
-        text = await response.text()
+    status, _, raw = await client.post(replica.url + path, {**body, "stream": True}, http=http)
+    assert status == 200, raw
+    text = raw.decode()
     assert text.endswith("\n\n")
     return [
         "[DONE]" if event == "data: [DONE]" else orjson.loads(event.removeprefix("data: "))

@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.sim.faults import Faults
 from kvgate.sim.server import SimReplica
+from tests.plugins import client
 from tests.plugins.sim import SimFactory
 from tests.plugins.waiting import eventually
 from tests.sim.helpers import FAST
@@ -18,9 +19,8 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 async def post_chat(http: aiohttp.ClientSession, replica: SimReplica, **extra: Any) -> int:
-    async with http.post(replica.url + "/v1/chat/completions", json={**CHAT, **extra}) as r:
-        await r.read()
-        return r.status
+    reply = await client.post(replica.url + "/v1/chat/completions", {**CHAT, **extra}, http=http)
+    return reply.status
 
 
 async def test_faults_are_set_read_merged_and_cleared_over_http(
@@ -63,9 +63,9 @@ async def test_error_rate_answers_vllm_shaped_500s_reproducibly(
     assert set(pattern) == {200, 500}
     assert await statuses(second) == pattern
     first.faults = Faults(error_rate=1.0)
-    async with http.post(first.url + "/v1/chat/completions", json=CHAT) as response:
-        assert response.status == 500
-        error = (await response.json())["error"]
+    reply = await client.post(first.url + "/v1/chat/completions", CHAT, http=http)
+    assert reply.status == 500
+    error = reply.json()["error"]
     assert error["code"] == 500 and error["type"] == "InternalServerError"
 
 

@@ -6,12 +6,12 @@ import hashlib
 from typing import Any
 
 import aiohttp
-import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.tenants import tenant_key
-from tests.plugins import bodies
+from tests.plugins import bodies, client
 from tests.plugins.bodies import OMIT
+from tests.plugins.client import Reply
 
 MODEL = "stub-model"
 
@@ -26,24 +26,10 @@ def chat(max_tokens: int = 5, *, stream: bool = False, model: str = MODEL, **ext
                        **extra)
 
 
-class Reply:
-    def __init__(self, status: int, headers: dict[str, str], raw: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.raw = raw
-
-    def json(self) -> Any:
-        return orjson.loads(self.raw)
-
-    def __repr__(self) -> str:
-        return f"Reply({self.status}, {self.raw[:300]!r})"
-
-
 async def post(
     session: aiohttp.ClientSession, url: str, body: object, headers: dict[str, str] | None = None
 ) -> Reply:
-    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-        return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read())
+    return await client.post(f"{url}/v1/chat/completions", body, http=session, headers=headers)
 
 
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -149,7 +149,7 @@ async def test_over_the_token_budget_is_refused_with_retry_after_and_rate_limit_
     assert first.headers["x-ratelimit-remaining-tokens"] == str(1000 - 609)
 
     assert second.status == 429, second
-    error = openai_error(second.raw)
+    error = openai_error(second.body)
     assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")  # as OpenAI's
     assert "1000 tokens per minute" in error["message"]
     # 610 used, so ~390 left: 609 fit again after ~(609 - 390) / (1000/60 per s) ≈ 13 s.
@@ -166,7 +166,7 @@ async def test_over_the_token_budget_is_refused_with_retry_after_and_rate_limit_
 
     # A worst case above the whole budget could never be admitted: 400, not a retry loop.
     assert whole.status == 400, whole
-    assert openai_error(whole.raw)["code"] == "exceeds_token_budget"
+    assert openai_error(whole.body)["code"] == "exceeds_token_budget"
 
 
 async def test_requests_per_minute_are_enforced_with_all_six_headers(
@@ -181,7 +181,7 @@ async def test_requests_per_minute_are_enforced_with_all_six_headers(
     assert [r.status for r in replies] == [200, 200, 200, 429]
     assert [r.headers["x-ratelimit-remaining-requests"] for r in replies] == ["2", "1", "0", "0"]
     refused = replies[-1]
-    error = openai_error(refused.raw)
+    error = openai_error(refused.body)
     assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
     assert "3 requests per minute" in error["message"]
     # computed from the bucket's refill (one request per 20 s), not a constant
@@ -215,7 +215,7 @@ async def test_concurrent_requests_over_the_limit_are_refused_and_the_count_retu
 
         refused = await post(s, gw.url, chat())
         assert refused.status == 429, refused
-        error = openai_error(refused.raw)
+        error = openai_error(refused.body)
         assert (error["type"], error["code"]) == ("concurrency", "rate_limit_exceeded")
         assert int(refused.headers["retry-after"]) >= 1
         for name in RATE_LIMIT_HEADERS:  # the budgets as they stand, nothing taken

@@ -63,10 +63,10 @@ async def test_a_missing_or_unknown_api_key_gets_401_and_reaches_no_replica(
         ]
     for reply in refused:
         assert reply.status == 401, reply
-        error = openai_error(reply.raw)
+        error = openai_error(reply.body)
         assert error["type"] == "authentication_error"
         assert error["code"] == "invalid_api_key"
-    assert "missing API key" in openai_error(refused[0].raw)["message"]
+    assert "missing API key" in openai_error(refused[0].body)["message"]
     assert stub.received == []
 
 
@@ -101,7 +101,7 @@ async def test_a_tenant_header_from_an_untrusted_address_is_refused(
         keyed = await post(s, gw.url, chat(), bearer("key-a"))
     for reply in (spoofed, spoofed_with_key):
         assert reply.status == 401, reply
-        error = openai_error(reply.raw)
+        error = openai_error(reply.body)
         assert error["type"] == "authentication_error"
         assert "trusted networks" in error["message"]
     assert len(stub.received) == 1  # only the request that identified itself by key
@@ -123,7 +123,7 @@ async def test_a_tenant_header_from_a_trusted_network_names_the_tenant_and_stays
     assert named.headers["x-ratelimit-limit-tokens"] == "200000"
     assert "x-tenant-id" not in stub.headers_seen[0]
     assert unknown.status == 401
-    assert "team-z" in openai_error(unknown.raw)["message"]
+    assert "team-z" in openai_error(unknown.body)["message"]
     assert nothing.status == 401
     assert len(stub.received) == 1
 
@@ -139,7 +139,7 @@ async def test_a_model_outside_the_tenants_list_is_forbidden(stub_factory, gatew
         narrow = await post(s, gw.url, chat(), bearer("k"))
         wide = await post(s, gw.url, chat(), bearer("w"))
     assert narrow.status == 403, narrow
-    error = openai_error(narrow.raw)
+    error = openai_error(narrow.body)
     assert error["type"] == "permission_error"
     assert error["code"] == "model_not_allowed"
     assert MODEL in error["message"] and "narrow" in error["message"]
@@ -160,7 +160,7 @@ async def test_max_tokens_above_the_tenants_cap_is_refused_and_an_omitted_one_is
         at_cap = await post(s, gw.url, chat(max_tokens=100))
         omitted = await post(s, gw.url, {k: v for k, v in chat().items() if k != "max_tokens"})
     assert over.status == 400, over
-    error = openai_error(over.raw)
+    error = openai_error(over.body)
     assert error["type"] == "invalid_request_error"
     assert error["code"] == "max_tokens_above_cap"
     assert error["param"] == "max_tokens"
@@ -181,7 +181,7 @@ async def test_a_worst_case_above_the_tenants_context_limit_is_refused(
         over = await post(s, gw.url, chat(max_tokens=55))  # ~9 prompt tokens + 55 > 60
         within = await post(s, gw.url, chat(max_tokens=40))
     assert over.status == 400, over
-    error = openai_error(over.raw)
+    error = openai_error(over.body)
     assert error["code"] == "context_length_exceeded"
     assert error["param"] == "max_tokens"
     assert "at most 60 tokens" in error["message"] and "55 in the completion" in error["message"]

@@ -42,7 +42,7 @@ async def load(
         sent = time.monotonic()
         async with asyncio.timeout(HANG_GUARD_S):
             reply = await post(session, gw.url, chat(stream=True))
-        code = openai_error(reply.raw)["code"] if reply.status != 200 else None
+        code = openai_error(reply.body)["code"] if reply.status != 200 else None
         out.append(Answer(sent, time.monotonic(), reply.status, code))
         await asyncio.sleep(0.01)
 

@@ -6,16 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.block_index import BlockIndex
-from kvgate.fleet.kv_events import KvEvents
-from kvgate.fleet.kv_subscriber import ReplicaEvents
 from kvgate.fleet.kv_wire import Event
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
 from kvgate.routing.plugins.prefix_affinity import PrefixAffinity, hash_order, preferred
 from kvgate.routing.route import Route
 from kvgate.routing.router import Router
-from tests.routing.fleets import deps, fleet, replica, route
+from tests.plugins.metrics import sample_value
+from tests.routing.fleets import DOCUMENT, deps, fleet, indexed, replica, route
 
 PARAMS = PrefixAffinity.settings(RoutingConfig(), {})
 
@@ -71,28 +69,12 @@ async def test_a_served_request_with_a_prefix_is_counted_preferred_or_elsewhere(
     await router.served(route(prefix="sys"), ranking, other, config, 200)
     await router.served(route(prefix="sys"), ranking, other, config, 0)
     await router.served(route(prefix=None), ranking, other, config, 200)
-    count = metrics.prefix_routes.labels
-    assert count("p", "preferred")._value.get() == 1
-    assert count("p", "elsewhere")._value.get() == 2
+    routes = metrics.prefix_routes
+    assert sample_value(routes, "p", "preferred") == 1
+    assert sample_value(routes, "p", "elsewhere") == 2
 
 
 # --------------------------------------------------------------------------- precise (KV events)
-
-
-def indexed(held: dict[str, list[int]]) -> KvEvents:
-    """KV events whose index for each replica holds the blocks of the given token ids (block
-    size 16, as the fleets' replicas)."""
-    events = KvEvents(Metrics())
-    for replica_id, tokens in held.items():
-        state = events.states[replica_id] = ReplicaEvents(BlockIndex(10_000))
-        state.sequencer.last = 0  # it has heard from the replica: its index is trusted
-        if tokens:
-            state.index.apply(Event("stored", tuple(range(len(tokens) // 16)), None,
-                                    tuple(tokens[: len(tokens) // 16 * 16]), 16))
-    return events
-
-
-DOCUMENT = list(range(1000, 1000 + 16 * 8))  # eight blocks
 
 
 def precise_route(tokens: list[int], prefix: str | None = "sys") -> Route:

@@ -10,6 +10,7 @@ from kvgate.routing.plugins.session_affinity import SessionAffinity
 from kvgate.routing.router import Router
 from kvgate.routing.sessions import Sessions
 from kvgate.state.memory import MemoryStore
+from tests.plugins.metrics import sample_value
 from tests.routing.fleets import deps, fleet, replica, route
 
 CONFIG = RoutingConfig()
@@ -67,7 +68,7 @@ async def test_a_replica_that_served_the_request_becomes_the_sessions_binding():
     assert await store.lookup(Sessions.store_key("chat")) is None
     await router.served(route(session="chat"), ranking, "a", CONFIG, 404)
     assert await store.lookup(Sessions.store_key("chat")) == "a"
-    assert metrics.session_routes.labels("new", "unbound")._value.get() == 1
+    assert sample_value(metrics.session_routes, "new", "unbound") == 1
 
 
 async def test_a_new_session_whose_prompt_the_kv_events_can_place_leaves_it_to_them():
@@ -76,7 +77,7 @@ async def test_a_new_session_whose_prompt_the_kv_events_can_place_leaves_it_to_t
     from dataclasses import replace
 
     from kvgate.routing.route import Route
-    from tests.routing.plugins.test_prefix_affinity import DOCUMENT, indexed
+    from tests.routing.fleets import DOCUMENT, indexed
 
     store = MemoryStore()
     f = fleet(replica("a"), replica("b"))
