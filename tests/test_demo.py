@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from kvgate.cli import main
-from kvgate.commands import demo
+from kvgate.commands import demo, demo_report
 from kvgate.request.tokenizers import load_tiktoken
 
 
@@ -65,7 +65,7 @@ def test_demo_table_has_a_column_per_way_and_a_goodput_row():
     report = {"workload": {"requests": 3, "long": 0, "duration_s": 1, "rate_per_s": 3,
                            "time_scale": 1.0},
               "no_admission": side, "worst_case": side, "predicted": side}
-    text = demo.render(report)
+    text = demo_report.render(report)
     header = next(line for line in text.splitlines() if "no admission" in line)
     assert "kvgate worst" in header and "kvgate predicted" in header
     goodput = next(line for line in text.splitlines() if line.startswith("goodput (req/s"))

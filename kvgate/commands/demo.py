@@ -22,7 +22,7 @@ import hashlib
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from aiohttp import web
 from kvgate.api.routes import GATEWAY
 from kvgate.app import EPP, build_app
 from kvgate.commands import demo_plot
+from kvgate.commands.demo_report import COLUMNS, TTFT_TARGETS_S, column, render, short_ttfts
 from kvgate.commands.demo_sim import SimFleet, start_fleet, stop_fleet
 from kvgate.commands.demo_vllm import LONG_WORDS, RealFleet, real_fleet, settle
 from kvgate.config import Config, parse_config
@@ -40,7 +41,7 @@ from kvgate.epp.server import EppServer
 from kvgate.request.tokenizers import load_tiktoken
 from kvgate.sim.server import SimReplica
 from kvgate.tools import vllm_cpu
-from kvgate.tools.workload import build_workload, goodput, run_workload, summarize
+from kvgate.tools.workload import WorkItem, build_workload, run_workload
 
 # A tenant's API key is its name ("demo" for the anonymous tenant); the workload driver names
 # its tenant in the X-Tenant-Id header instead, which kvgate trusts from 127.0.0.1.
@@ -50,20 +51,11 @@ TENANTS: list[dict[str, Any]] = [
     {"name": "batch", "priority": "sheddable", "max_concurrent": 16},
     {"name": "anonymous", "priority": "standard"},
 ]
+TENANT_NAMES = [t["name"] for t in TENANTS if t["name"] != "anonymous"]
 DEMO_KEYS = {"anonymous": "demo"}
 # /admin/* needs a token whenever tenants authenticate: the demo's is this.
 DEMO_ADMIN_KEY = "demo-admin"
-# Latency targets for goodput, in simulated seconds (× --time-scale on the wall clock).
-SHORT_TTFT_SLO_S, LONG_TTFT_SLO_S = 2.0, 10.0
-# kvgate's latency targets (admission.queue.ttft_target_s) for the interactive classes, the
-# chats' (vip is critical, chat-app standard): what could not start within the goodput target
-# is refused at arrival rather than served late. The batch class (sheddable) has none: it waits.
-TTFT_TARGETS_S = {"critical": SHORT_TTFT_SLO_S, "standard": SHORT_TTFT_SLO_S}
 AFFINITY_WAIT_S = 0.25  # kvgate's default, in simulated seconds like the targets
-# The columns of `--workload`: no admission, then kvgate in each admission mode; and kvgate
-# predicted without prompt normalization, to show what it does to prefix-cache hits.
-COLUMNS = {"no_admission": "no admission", "worst_case": "kvgate worst",
-           "predicted_raw": "predicted no norm", "predicted": "kvgate predicted"}  # fmt: skip
 # The workload's chats carry a timestamp in their system prompt: relocate it (the safe rules
 # are on anyway). `predicted_raw` runs with normalization off.
 NORMALIZATION = {"rules": {"relocate_dynamic": True}, "relocate": {"patterns": ["timestamp"]}}
@@ -175,26 +167,40 @@ async def _demo(args: argparse.Namespace, engines: RealFleet | None) -> int:
         "long": sum(1 for i in items if i.kind == "long"), "time_scale": args.time_scale,
         "fleet": "vllm-cpu" if engines is not None else "simulator"}}
 
-    def say(message: str) -> None:
-        if not args.json:
-            print(message, file=sys.stderr)
+    ttfts, kv_samples = await _columns(args, items, a_fleet, report)
+    if args.plot:
+        for path in demo_plot.plot(args.plot, PLOTTED, kv_samples, ttfts):
+            _say(args, f"wrote {path}")
+    if args.json:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(render(report))
+    _say(args, top_hint(f"http://127.0.0.1:{args.port or 8080}"))
+    return 0
 
-    say(f"straight to the replicas: {len(items)} requests over {args.duration:g}s ...")
+
+async def _columns(
+    args: argparse.Namespace, items: list[WorkItem],
+    a_fleet: Callable[[], contextlib.AbstractAsyncContextManager[Fleet]], report: dict[str, Any],
+) -> tuple[dict[str, list[float | None]], list[demo_plot.KvSample]]:
+    """The workload straight at the replicas, then through kvgate in each column's mode, each
+    on a fresh fleet, into `report`; the short requests' TTFTs of each, and the plotted
+    replica's KV samples."""
+    _say(args, f"straight to the replicas: {len(items)} requests over {args.duration:g}s ...")
     async with a_fleet() as fleet:
         # The same routing kvgate does (long documents to the long replica, chats round robin
         # over the normal ones), without admission: the difference is what admission does.
         targets = {"short": [fleet.url("normal-a"), fleet.url("normal-b")],
                    "long": [fleet.url("long")]}
         results = await run_workload("", items, targets=targets, tenant_header=None)
-        report["no_admission"] = await column(results, fleet, args)
+        report["no_admission"] = await column(
+            results, fleet, args.duration, args.time_scale, TENANT_NAMES)
     ttfts = {COLUMNS["no_admission"]: short_ttfts(results, args.time_scale)}
     kv_samples: list[demo_plot.KvSample] = []
-
     for column_key in ("worst_case", "predicted_raw", "predicted"):
-        mode = column_key.removesuffix("_raw")
-        raw = column_key.endswith("_raw")
-        say(f"the same workload through kvgate, admission mode {mode}"
-            f"{', no normalization' if raw else ''} ...")
+        mode, raw = column_key.removesuffix("_raw"), column_key.endswith("_raw")
+        _say(args, f"the same workload through kvgate, admission mode {mode}"
+                   f"{', no normalization' if raw else ''} ...")
         async with a_fleet() as fleet:
             normalization = {"enabled": False} if raw else NORMALIZATION
             runner, url = await start_gateway(
@@ -208,20 +214,17 @@ async def _demo(args: argparse.Namespace, engines: RealFleet | None) -> int:
             if recorder is not None:
                 recorder.cancel()
                 await asyncio.gather(recorder, return_exceptions=True)
-            report[column_key] = await column(results, fleet, args)
+            report[column_key] = await column(
+                results, fleet, args.duration, args.time_scale, TENANT_NAMES)
             if not raw:
                 ttfts[COLUMNS[column_key]] = short_ttfts(results, args.time_scale)
             await runner.cleanup()
+    return ttfts, kv_samples
 
-    if args.plot:
-        for path in demo_plot.plot(args.plot, PLOTTED, kv_samples, ttfts):
-            say(f"wrote {path}")
-    if args.json:
-        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        print(render(report))
-    say(top_hint(f"http://127.0.0.1:{args.port or 8080}"))
-    return 0
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    if not args.json:
+        print(message, file=sys.stderr)
 
 
 async def _serve(args: argparse.Namespace, fleet: Fleet) -> int:
@@ -251,44 +254,11 @@ async def _serve(args: argparse.Namespace, fleet: Fleet) -> int:
 Fleet = SimFleet | RealFleet
 
 
-def short_ttfts(results: list[Any], time_scale: float) -> list[float | None]:
-    """Short requests' TTFTs in simulated seconds; None for those that never got a token."""
-    scale = time_scale or 1.0
-    return [None if r.ttft_s is None else r.ttft_s / scale for r in results if r.kind != "long"]
-
-
 def top_hint(url: str) -> str:
     return (f"\nTo watch the fleet live: `kvgate demo --port {url.rsplit(':', 1)[1]}` in one "
             f"terminal, then in another\n  kvgate top --url {url} --admin-key {DEMO_ADMIN_KEY} "
             "--once   "
             "(one frame, for scripts; without --once it refreshes in place)")
-
-
-async def column(results: list[Any], fleet: Fleet, args: argparse.Namespace
-                 ) -> dict[str, Any]:  # fmt: skip
-    """One column of the report: the summary, goodput and the replicas' own counters."""
-    scale = args.time_scale or 1.0
-    replicas = await fleet.stats()
-    hits = sum(r["prefix_cache_hits"] for r in replicas.values())
-    queries = sum(r["prefix_cache_queries"] for r in replicas.values())
-    return {
-        **summarize(results).as_dict(),
-        "goodput_per_s": round(goodput(results, args.duration / scale,
-                                       short_ttft_s=SHORT_TTFT_SLO_S * scale,
-                                       long_ttft_s=LONG_TTFT_SLO_S * scale), 3),
-        "preemptions": sum(r["preemptions"] for r in replicas.values()),
-        "prefix_hit_rate": round(hits / queries, 3) if queries else None,
-        "replicas": replicas,
-        "refused_at_arrival": refused_at_arrival(results),
-    }
-
-
-def refused_at_arrival(results: list[Any]) -> dict[str, int]:
-    """Per tenant, the requests kvgate refused at once because they would have missed their
-    class's latency target (429 wait_budget_exceeded)."""
-    tenants = [t["name"] for t in TENANTS if t["name"] != "anonymous"]
-    return {t: sum(r.tenant == t and r.error_code == "wait_budget_exceeded" for r in results)
-            for t in tenants}
 
 
 def gateway_config(fleet: Fleet, port: int, mode: str = "predicted",
@@ -405,63 +375,3 @@ def banner(url: str, fleet: Fleet, envoy_url: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def render(report: dict[str, Any]) -> str:
-    w = report["workload"]
-    rows = [f"workload: {w['requests']} requests ({w['long']} long documents) over "
-            f"{w['duration_s']:g}s, {w['rate_per_s']:g}/s", ""]
-    shown = [key for key in COLUMNS if key in report]
-    columns = [report[key] for key in shown]
-    rows.append(f"{'':34}" + "".join(f"{COLUMNS[key]:>18}" for key in shown))
-
-    def row(label: str, *path: str, default: Any = None) -> None:
-        """One figure per column, found in each column's report along `path`."""
-        values = [_dig(c, path, default) for c in columns]
-        rows.append(f"{label:34}" + "".join(f"{_fmt(v):>18}" for v in values))
-
-    row("completed", "completed")
-    row("failed (5xx, dropped)", "failed")
-    for reason in sorted(set().union(*(c["refused"] for c in columns))):
-        row(f"refused {reason}", "refused", reason, default=0)
-    for tenant in columns[0].get("refused_at_arrival", {}):
-        row(f"refused at arrival: {tenant}", "refused_at_arrival", tenant, default=0)
-    simulated = w.get("fleet", "simulator") == "simulator"
-    unit = "simulated" if simulated else "wall"
-    row(f"goodput (req/s, {unit})", "goodput_per_s")
-    for kind in ("short", "long"):
-        for q in ("p50", "p99"):
-            row(f"TTFT {kind} {q} (s)", "ttft_s", kind, q)
-        for q in ("p50", "p99"):
-            row(f"end to end {kind} {q} (s)", "e2e_s", kind, q)
-    for tenant in ("vip", "chat-app", "batch"):  # vip is critical, batch sheddable
-        row(f"TTFT {tenant} p50 (s)", "ttft_s", f"tenant {tenant}", "p50")
-    row("preemptions (fleet)", "preemptions")
-    row("prefix hit rate (fleet)", "prefix_hit_rate")
-    for name in columns[0]["replicas"]:
-        row(f"{name} preemptions", "replicas", name, "preemptions")
-        row(f"{name} prefix hit rate", "replicas", name, "prefix_hit_rate")
-    rows += ["", f"goodput: requests per {unit} second whose first token came within "
-             f"{SHORT_TTFT_SLO_S:g} s (short) or {LONG_TTFT_SLO_S:g} s (long) {unit} "
-             f"(x {w['time_scale']:g} on the wall clock); latencies above are wall seconds.",
-             "refused at arrival: chats whose class has a latency target in kvgate "
-             f"({', '.join(f'{c} {s:g} s' for c, s in TTFT_TARGETS_S.items())} {unit};",
-             "vip is critical, chat-app standard) that kvgate expected to start later: 429 "
-             "wait_budget_exceeded at once, with Retry-After. batch (sheddable) has no target:",
-             "it waits for room (up to max_wait_s), as it would on vLLM."]
-    return "\n".join(rows)
-
-
-def _dig(report: dict[str, Any], path: tuple[str, ...], default: Any) -> Any:
-    value: Any = report
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return default
-        value = value[key]
-    return value
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
