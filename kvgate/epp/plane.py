@@ -18,6 +18,7 @@ kvgate's own waits are a backstop a few seconds longer, after which it ends the 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import time
 from collections.abc import Mapping
@@ -55,6 +56,28 @@ BACKSTOP_S = 5.0
 ENVOY_OWNED = frozenset({"host", "content-length", "transfer-encoding"})
 
 
+class Phase(enum.Enum):
+    """Where the answer stands between kvgate and Envoy; what the stream does when it ends
+    (`kvgate.epp.processor`): on a reset, whether the request path may finish its books or
+    is cancelled; at its end, whether kvgate must abort the stream for Envoy to end it."""
+
+    AWAITED = "awaited"  # no pick yet
+    PICKED = "picked"  # the pick went to Envoy: the request and its answer are under way
+    DELIVERED = "delivered"  # the whole answer went on (or kvgate's own): a reset is a close
+    ABANDONED = "abandoned"  # kvgate stopped following an answer under way: Envoy must end it
+    # both, in either order: headers mode's answer passed, then its end never came in time;
+    # or kvgate answered with an error after it stopped following
+    DELIVERED_ABANDONED = "delivered, abandoned"
+
+    @property
+    def delivered(self) -> bool:
+        return self in (Phase.DELIVERED, Phase.DELIVERED_ABANDONED)
+
+    @property
+    def abandoned(self) -> bool:
+        return self in (Phase.ABANDONED, Phase.DELIVERED_ABANDONED)
+
+
 class EnvoyRequest:
     """One request's side of Envoy: its `send` is the plane's transport, `deliver` its relay.
     Made when the request's headers came; its body and body mode are set once they are read."""
@@ -70,22 +93,28 @@ class EnvoyRequest:
         self.out: list[bytes] | None = None  # what goes on for the body chunk awaiting its answer
         self.chunk = b""  # that chunk, as it came
         self.ended = False  # the answer's last chunk came
-        self.picked = False  # the pick went to Envoy: the request is on its way
-        self.finished = False  # the whole answer went on: a reset now is Envoy's close
-        self.gave_up = False  # kvgate stopped following the answer: Envoy must end it
+        self.phase = Phase.AWAITED
+
+    def deliver_done(self) -> None:
+        """The whole answer went on (or kvgate's own): Envoy's to deliver and close."""
+        self.phase = Phase.DELIVERED_ABANDONED if self.phase.abandoned else Phase.DELIVERED
+
+    def abandon(self) -> None:
+        """kvgate stops following the answer: Envoy must end it."""
+        self.phase = Phase.DELIVERED_ABANDONED if self.phase.delivered else Phase.ABANDONED
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         """Answer the request body with the pick; the answer once its headers came."""
         attempt, replica, t = request.attempt, request.replica, request.timeouts
         deadline = time.monotonic() + t.total_s
         await self.send_pick(request)
-        self.picked = True
+        self.phase = Phase.PICKED
         attempt.sent_at = time.monotonic()
         try:
             async with asyncio.timeout(t.total_s + BACKSTOP_S):
                 message = await self.stream.next()
         except TimeoutError:
-            self.gave_up = True
+            self.abandon()
             raise attempt.fail(
                 NoHeadersInTime(f"Envoy sent no answer from replica {replica.id}")
             ) from None
@@ -177,7 +206,7 @@ class EnvoyRequest:
                 await self.error(answer, headers)
             elif not self.sees_body:  # headers mode: the answer's end is the stream's
                 await self.answer_headers(headers)
-                self.finished = True  # what is left goes past kvgate: Envoy's close or reset
+                self.deliver_done()  # what is left goes past kvgate: Envoy's close or reset
                 async with asyncio.timeout_at(until):
                     await self.stream.pass_through()
                 outcome.done = True
@@ -192,7 +221,7 @@ class EnvoyRequest:
                     await events.pump(self.readany, limit)
                 await events.flush()
         except TimeoutError:  # Envoy's own timeouts did not end it: kvgate stops following
-            self.gave_up = True
+            self.abandon()
             outcome.fail(LateAnswer(f"replica {answer.request.replica.id}'s answer outlived "
                                     "Envoy's timeouts"))
         finally:
@@ -211,14 +240,15 @@ class EnvoyRequest:
         if self.ended:  # no body: the headers await their answer
             judge_whole(answer, b"")
             await self.answer_headers(headers)
-            self.finished = True
+            self.deliver_done()
             return
         if "response_body" in self.stream.duplex:  # its chunks come while its headers wait
             error = judge_whole(answer, await self.whole_body(answer))
             body = orjson.dumps(error)
             await self.answer_headers(headers)
             await self.stream.send_streamed("response_body", body, True)
-            self.ended = self.finished = True
+            self.ended = True
+            self.deliver_done()
             return
         await self.answer_headers(headers, buffer=True)
         message = await self.stream.next()
@@ -230,7 +260,8 @@ class EnvoyRequest:
         await self.stream.answer(
             body_reply("response_body", body, set_headers={"content-length": str(len(body))})
         )
-        self.ended = self.finished = True
+        self.ended = True
+        self.deliver_done()
 
     async def whole_body(self, answer: UpstreamResponse) -> bytes:
         """Full duplex: the answer's body, every chunk up to its end (its trailers, if it has
@@ -307,6 +338,6 @@ class EnvoyRequest:
 
     async def aclose(self) -> None:
         """The last chunk goes on: the whole answer is then Envoy's to deliver."""
-        if self.ended and self.out is not None and not self.gave_up:
-            self.finished = True
+        if self.ended and self.out is not None and self.phase is Phase.PICKED:
+            self.deliver_done()
         await self.answer_chunk()

@@ -30,7 +30,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvgate.epp.plane import EnvoyRequest
+from kvgate.epp.plane import EnvoyRequest, Phase
 from kvgate.epp.stream import (
     SYSTEM_OWNED,
     EnvoyStream,
@@ -132,7 +132,7 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
         try:
             await asyncio.shield(work)
         except asyncio.CancelledError:
-            if envoy.finished:  # the whole answer went on: Envoy's close
+            if envoy.phase.delivered:  # the whole answer went on: Envoy's close
                 await work  # the request path finishes its books
                 task = asyncio.current_task()
                 if task is not None:
@@ -142,7 +142,8 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             raise
-        if envoy.gave_up or (envoy.picked and not envoy.finished and stream.pending is None):
+        phase = envoy.phase
+        if phase.abandoned or (phase is Phase.PICKED and stream.pending is None):
             # kvgate stopped following an answer under way: Envoy must end it
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "kvgate ended the exchange")
         await stream.pass_through()
@@ -176,7 +177,7 @@ class Processor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type:
             )
             self.ended(x, error.status, error)
             if await stream.answer_if_pending(immediate(error, x.request_id)):
-                envoy.finished = True  # the client has kvgate's answer instead
+                envoy.deliver_done()  # the client has kvgate's answer instead
         else:
             self.ended(x, 200)
 
