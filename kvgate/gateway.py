@@ -212,9 +212,9 @@ class Gateway:
         replica.inflight[x.key] = Writing(
             x.slot.progress, demand.shared_keys(replica.kv_block_size)
         )
-        token_ids, block_size = x.route.token_ids, replica.kv_block_size
-        attempt.rank = self.kv_events.rank_for(replica.id, token_ids, block_size)
-        self.kv_events.expect(replica.id, token_ids, block_size, attempt.rank)
+        prompt = x.route.prompt_keys(replica.kv_block_size)
+        attempt.rank = self.kv_events.rank_for(replica.id, prompt)
+        self.kv_events.expect(replica.id, prompt, attempt.rank)
         try:
             x.response = await plane.transport.send(x.upstream_request())
             return await plane.deliver(

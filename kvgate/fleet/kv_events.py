@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,7 +94,6 @@ class KvEvents:
         self._running: dict[str, _Running] = {}
         self.states: dict[str, ReplicaEvents] = {}  # by stream (`stream_name`)
         self._streams: dict[str, tuple[str, ...]] = {}  # each replica's, in rank order
-        self._last_keys: LazyKeys | None = None
 
     def index(self, stream: str) -> BlockIndex | None:
         """A stream's index (a replica's, for rank 0), while it can be trusted; else None."""
@@ -124,44 +123,26 @@ class KvEvents:
         held = self._held(replica_id, prompt)
         return max(count for count, _ in held) if held else None
 
-    def rank_for(self, replica_id: str, token_ids: Sequence[int] | None, block_size: int) -> int | None:
+    def rank_for(self, replica_id: str, prompt: LazyKeys | None) -> int | None:
         """Where the replica has several data-parallel engines and one holds more of the
         prompt than the others: that engine, as vLLM's `X-data-parallel-rank` names it (its
         place among the server's engines, in rank order: its rank, unless the server's first
         is not rank 0). None: vLLM's own balancing picks (the engines hold the prompt alike,
         or nothing is known of them)."""
         streams = self._streams.get(replica_id, ())
-        if not token_ids or len(streams) < 2:
+        if prompt is None or not prompt.tokens or len(streams) < 2:
             return None
-        held = sorted(self._held(replica_id, self.keys_for(token_ids, block_size)),
+        held = sorted(self._held(replica_id, prompt),
                       key=lambda item: item[0], reverse=True)  # fmt: skip
         if not held or held[0][0] == 0 or (len(held) > 1 and held[1][0] == held[0][0]):
             return None
         return streams.index(held[0][1].stream)
 
-    def keys_for(self, token_ids: Sequence[int], block_size: int) -> LazyKeys:
-        """The prompt's block keys, the same object for the same prompt as long as it is the
-        latest asked about: a request's ranking asks for them from two plugins, and again on
-        each placement attempt, and each key is hashed once."""
-        last = self._last_keys
-        if last is None or last.tokens is not token_ids or last.size != block_size:
-            last = self._last_keys = LazyKeys(token_ids, block_size)
-        return last
-
-    def tells_apart(self, replica_ids: Iterable[str], token_ids: Sequence[int], block_size: int) -> bool:
-        """Some of the replicas hold more of the prompt than others (their indexes trusted)."""
-        prompt = self.keys_for(token_ids, block_size)
-        held = {self.cached_blocks(r, prompt) for r in replica_ids} - {None}
-        return len(held) > 1
-
-    def expect(
-        self, replica_id: str, token_ids: tuple[int, ...] | None, block_size: int,
-        engine: int | None = None,
-    ) -> None:
+    def expect(self, replica_id: str, prompt: LazyKeys | None, engine: int | None = None) -> None:
         """A prompt is being sent to the replica (pinned to `engine`, as `rank_for` names it,
         or to whichever engine vLLM picks: then each expects it, the replica will hold it on
         one): count its blocks as cached there until its events arrive (or EXPECTED_S)."""
-        if not token_ids:
+        if prompt is None or not prompt.tokens:
             return
         states = self._trusted(replica_id)
         if engine is not None:
@@ -169,7 +150,7 @@ class KvEvents:
             states = [state for state in states if state.stream == pinned]
         if not states:
             return
-        keys = self.keys_for(token_ids, block_size).first(EXPECTED_BLOCKS)  # made once
+        keys = prompt.first(EXPECTED_BLOCKS)  # made once
         now = self.clock()
         for state in states:
             state.forget_expected(now)

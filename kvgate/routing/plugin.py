@@ -18,7 +18,9 @@ Contract, for every hook:
 - `keeps` is a per-replica verdict in the request path: cheap, and pure but for a plugin that
   documents its side effect (the breaker's trial claim).
 - `score` returns one score in [0, 1] per candidate, in the candidates' order (the router
-  clamps what it gets, and weighs it by `routing.scorers.<name>`).
+  clamps what it gets, and weighs it by `routing.scorers.<name>`). What one scorer learns of
+  the request that another could use (the blocks each replica holds of the prompt) goes in
+  the ranking's `Cycle`, which `pick` and `served` find on the ranking.
 - `pick` may ask for a `Hold` on one candidate; `favourite` is the one replica its own scorer
   scored 1, if exactly one was (None when it did not score, or was weighted 0).
 - `served` learns where the request ran (`replica_id`) and the status the replica answered
@@ -35,7 +37,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvgate.config import RoutingConfig
 from kvgate.fleet.snapshot import Fleet, ReplicaView
-from kvgate.routing.ranking import Hold, Ranking
+from kvgate.routing.ranking import Cycle, Hold, Ranking
 from kvgate.routing.route import Route
 
 if TYPE_CHECKING:
@@ -99,7 +101,8 @@ class Plugin(Generic[P]):
         return True
 
     async def score(
-        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: P
+        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: P,
+        cycle: Cycle,
     ) -> list[float]:
         """Scorer: one score in [0, 1] per candidate, in the candidates' order."""
         return [0.0] * len(candidates)

@@ -8,10 +8,14 @@ there, say) is the business of the routing plugin that asked for the hold, never
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvgate.fleet.snapshot import Fleet, ReplicaView
+from kvgate.routing.route import Route
+
+if TYPE_CHECKING:
+    from kvgate.fleet.kv_events import KvEvents
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +28,30 @@ class Hold:
     for_s: float
 
 
+@dataclass(slots=True)
+class Cycle:
+    """One ranking's shared state (the Inference Extension's CycleState): what the router and
+    its plugins learned of the request against one fleet snapshot, read by the hooks after
+    them and by the request's `served`. The router makes one per ranking."""
+
+    # plugin name -> the one replica its scorer scored 1 (a session's, a prefix's), if one did
+    favourites: dict[str, str] = field(default_factory=dict)
+    # replica -> how many of the prompt's leading blocks its KV events say it holds (None: no
+    # index of it is trusted), asked once per ranking whichever plugin asks first
+    cached: dict[str, int | None] = field(default_factory=dict)
+
+    def cached_blocks(self, events: KvEvents, route: Route, view: ReplicaView) -> int | None:
+        if view.id not in self.cached:
+            prompt = route.prompt_keys(view.block_size)
+            self.cached[view.id] = None if prompt is None else events.cached_blocks(view.id, prompt)
+        return self.cached[view.id]
+
+
 @dataclass(frozen=True, slots=True)
 class Ranking:
     replicas: list[ReplicaView]  # best first
     hold: Hold | None = None  # a picker rule on the first replicas to try, if a plugin set one
-    # plugin name -> the one replica its scorer scored 1 (a session's, a prefix's), if one did
-    favourites: Mapping[str, str] = field(default_factory=dict)
+    cycle: Cycle = field(default_factory=Cycle)  # what its plugins learned while ranking
     fleet: Fleet | None = None  # the snapshot it was ranked against
 
     def usable(self, waited_s: float) -> list[ReplicaView]:

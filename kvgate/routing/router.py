@@ -24,7 +24,7 @@ from kvgate.errors import NoReplica
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.plugin import Deps, Plugin
 from kvgate.routing.plugins import ALWAYS, PluginTable, loaded, registry
-from kvgate.routing.ranking import Ranking
+from kvgate.routing.ranking import Cycle, Ranking
 from kvgate.routing.route import Route
 
 Filter = Callable[[Route, ReplicaView], bool]
@@ -151,21 +151,22 @@ class Router:
         if not candidates:
             return Ranking([], fleet=fleet)
         totals = [0.0] * len(candidates)
-        favourites = {}
+        cycle = Cycle()
         for step in plan.scorers:
-            scores = await step.plugin.score(route, candidates, fleet, step.params)
+            scores = await step.plugin.score(route, candidates, fleet, step.params, cycle)
             for i, value in enumerate(scores):
                 totals[i] += step.weight * min(1.0, max(0.0, value))
             top = [v for v, s in zip(candidates, scores, strict=True) if s >= 1]
             if len(top) == 1:
-                favourites[step.name] = top[0].id
+                cycle.favourites[step.name] = top[0].id
         order = sorted(
             range(len(candidates)),
             key=lambda i: (-totals[i], candidates[i].load, candidates[i].id),
         )
-        ranking = Ranking([candidates[i] for i in order], favourites=favourites, fleet=fleet)
+        ranking = Ranking([candidates[i] for i in order], cycle=cycle, fleet=fleet)
         for step in plan.pickers:
-            hold = await step.plugin.pick(route, ranking, favourites.get(step.name), step.params)
+            favourite = cycle.favourites.get(step.name)
+            hold = await step.plugin.pick(route, ranking, favourite, step.params)
             if hold is not None:
                 return replace(ranking, hold=hold)
         return ranking
@@ -178,7 +179,7 @@ class Router:
         `status` (0: no answer reached kvgate): every plugin of `config` hears of it."""
         for step in self.plan(config).served:
             await step.plugin.served(
-                route, ranking, ranking.favourites.get(step.name), replica_id, status,
+                route, ranking, ranking.cycle.favourites.get(step.name), replica_id, status,
                 step.params,
             )
 

@@ -133,7 +133,7 @@ async def test_a_hot_prefix_cached_before_kvgate_subscribed_is_found_by_the_next
             shared = differ // 16
             assert shared >= 8 and state.index.orphans > 0
             assert state.index.leading(block_keys(third, 16)) == 0  # by content: unknown
-            assert events.cached_blocks("a", events.keys_for(third, 16)) == shared
+            assert events.cached_blocks("a", LazyKeys(third, 16)) == shared
             # healed by that match: the next prompt finds the system prompt by content
             assert state.index.leading(block_keys(third, 16)) == shared
     finally:

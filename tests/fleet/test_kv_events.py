@@ -241,7 +241,7 @@ async def test_an_eviction_under_pressure_undoes_a_recent_prompts_expectation(si
             await joined(http, replica, state)
             ids = tuple(await tokens(http, replica, PROMPT))
             blocks = len(ids) // 16
-            events.expect("a", ids, 16)  # routed there: cached as far as routing knows
+            events.expect("a", LazyKeys(ids, 16))  # routed there: cached as far as routing knows
             await complete(http, replica, PROMPT)
             await caught_up(replica, state)
             assert events.cached_blocks("a", LazyKeys(ids, 16)) == blocks
@@ -449,12 +449,12 @@ async def test_each_engine_a_replica_names_is_a_stream_and_a_pin_names_its_place
             Event("stored", (1, 2, 3), None, prompt[:48], 16))
         events.states["h/dp2"].index.apply(Event("stored", (9,), None, prompt[:16], 16))
         assert events.cached_blocks("h", LazyKeys(prompt, 16)) == 3
-        assert events.rank_for("h", prompt, 16) == 1  # rank 3: the server's second engine
-        events.expect("h", prompt, 16, 1)
+        assert events.rank_for("h", LazyKeys(prompt, 16)) == 1  # rank 3: the server's second engine
+        events.expect("h", LazyKeys(prompt, 16), 1)
         assert set(events.states["h/dp3"].expected) and not events.states["h/dp2"].expected
         other = tuple(range(100, 132))
-        assert events.rank_for("h", other, 16) is None  # no engine holds it: vLLM picks
-        events.expect("h", other, 16)  # then each expects it
+        assert events.rank_for("h", LazyKeys(other, 16)) is None  # no engine holds it: vLLM picks
+        events.expect("h", LazyKeys(other, 16))  # then each expects it
         assert all(len(s.expiries) >= 1 for s in events.states.values())
         described = events.describe("h")
         assert described is not None and set(described["ranks"]) == {"2", "3"}
@@ -576,11 +576,11 @@ def test_a_prompt_just_sent_counts_as_cached_until_its_events_come_or_it_expires
     prompt = tuple(range(64))  # four blocks of 16
     assert events.cached_blocks("a", LazyKeys(prompt, 16)) is None  # not heard from yet
     state.sequencer.last = 0
-    events.expect("a", prompt[:48], 16)
+    events.expect("a", LazyKeys(prompt[:48], 16))
     assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 3
     now[0] = EXPECTED_S + 1  # its events never came: an expectation, not a fact
     assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 0
-    events.expect("a", prompt, 16)
+    events.expect("a", LazyKeys(prompt, 16))
     state.index.apply(Event("cleared"))  # as a batch with AllBlocksCleared would
     state.forget_expected()
     assert events.cached_blocks("a", LazyKeys(prompt, 16)) == 0 and not state.expected

@@ -16,7 +16,7 @@ from kvgate.config import ConfigError, RoutingConfig
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.plugin import Plugin, PluginParams
 from kvgate.routing.plugins import PLUGINS
-from kvgate.routing.ranking import Hold, Ranking
+from kvgate.routing.ranking import Cycle, Hold, Ranking
 from kvgate.routing.route import Route
 from kvgate.routing.router import Router, check_routing
 from tests.routing.fleets import deps, fleet, replica, route
@@ -30,7 +30,7 @@ async def test_every_registered_scorer_scores_within_0_and_1(name):
     f = fleet(replica("a"), replica("b", waiting=100), replica("c"),
               reserved={"a": 1000, "b": 0, "c": 5000})
     params = type(plugin).settings(RoutingConfig(), {})
-    scores = await plugin.score(route(session="s", prefix="x"), list(f), f, params)
+    scores = await plugin.score(route(session="s", prefix="x"), list(f), f, params, Cycle())
     assert len(scores) == 3 and all(0 <= s <= 1 for s in scores)
 
 
@@ -54,7 +54,7 @@ class Nearest(Plugin[NearestParams]):
 
     async def score(
         self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet,
-        params: NearestParams,
+        params: NearestParams, cycle: Cycle,
     ) -> list[float]:
         last = max(v.id for v in candidates)
         return [1.0 if v.id == last else 0.0 for v in candidates]

@@ -62,7 +62,7 @@ async def test_a_bound_session_outweighs_load_and_is_held_for_its_affinity_wait(
     assert [v.id for v in ranking.replicas] == ["busy", "idle"]
     assert ranking.hold is not None and ranking.hold.replica.id == "busy"
     assert ranking.hold.for_s == config.sessions.affinity_wait_s
-    assert ranking.favourites["session"] == "busy"
+    assert ranking.cycle.favourites["session"] == "busy"
 
 
 async def test_a_session_whose_replica_is_over_its_bounded_share_goes_elsewhere():

@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgate.config import RoutingConfig
-from kvgate.fleet.block_index import LazyKeys
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.bounded import BoundedLoad, within_bound
 from kvgate.routing.plugin import Plugin
-from kvgate.routing.ranking import Ranking
+from kvgate.routing.ranking import Cycle, Ranking
 from kvgate.routing.route import Route
 
 
@@ -74,10 +73,11 @@ class PrefixAffinity(Plugin[BoundedLoad]):
         return BoundedLoad.defaults(config)
 
     async def score(
-        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: BoundedLoad
+        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: BoundedLoad,
+        cycle: Cycle,
     ) -> list[float]:
         blocks = max((route.demand.blocks_on(v.replica) for v in candidates), default=0)
-        precise = self._precise(route, candidates, blocks, params)
+        precise = self._precise(route, candidates, blocks, params, cycle)
         if precise is not None:
             return precise
         if route.prefix is None:
@@ -88,19 +88,17 @@ class PrefixAffinity(Plugin[BoundedLoad]):
         return [1.0 if choice is not None and view.id == choice.id else 0.0 for view in candidates]
 
     def _precise(
-        self, route: Route, candidates: Sequence[ReplicaView], blocks: int, params: BoundedLoad
+        self, route: Route, candidates: Sequence[ReplicaView], blocks: int, params: BoundedLoad,
+        cycle: Cycle,
     ) -> list[float] | None:
         """Scores by cached leading blocks; None where they do not apply or none is held."""
         events = self.deps.kv_events
         if route.token_ids is None or events is None:
             return None
-        keys: dict[int, LazyKeys] = {}
         held: list[int] = []
         known = False
         for view in candidates:
-            size = view.block_size
-            prompt = keys.get(size) or keys.setdefault(size, events.keys_for(route.token_ids, size))
-            cached = events.cached_blocks(view.id, prompt)
+            cached = cycle.cached_blocks(events, route, view)
             known = known or cached is not None
             if cached is None or not within_bound(
                 view, candidates, blocks, params.load_factor, params.load_floor

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.plugin import Deps, NoParams, Plugin
+from kvgate.routing.ranking import Cycle
 from kvgate.routing.route import Route
 
 
@@ -15,7 +16,8 @@ class RoundRobin(Plugin[NoParams]):
         self._turn = 0
 
     async def score(
-        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: NoParams
+        self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet, params: NoParams,
+        cycle: Cycle,
     ) -> list[float]:
         n = len(candidates)
         if not n:

@@ -32,7 +32,7 @@ from kvgate.fleet.snapshot import Fleet, ReplicaView
 from kvgate.routing.bounded import BoundedLoad, within_bound
 from kvgate.routing.plugin import Deps, Plugin
 from kvgate.routing.plugins.prefix_affinity import preferred
-from kvgate.routing.ranking import Hold, Ranking
+from kvgate.routing.ranking import Cycle, Hold, Ranking
 from kvgate.routing.route import Route
 
 
@@ -65,7 +65,7 @@ class SessionAffinity(Plugin[SessionParams]):
 
     async def score(
         self, route: Route, candidates: Sequence[ReplicaView], fleet: Fleet,
-        params: SessionParams,
+        params: SessionParams, cycle: Cycle,
     ) -> list[float]:
         if route.session_key is None or not candidates:
             return [0.0] * len(candidates)
@@ -76,7 +76,7 @@ class SessionAffinity(Plugin[SessionParams]):
             choice, candidates, blocks, params.load_factor, params.load_floor
         ):
             choice = None
-        if choice is None and bound is None and self._placed_by_cache(route, candidates):
+        if choice is None and bound is None and self._placed_by_cache(route, candidates, cycle):
             return [0.0] * len(candidates)
         if choice is None:
             choice = preferred(
@@ -84,13 +84,15 @@ class SessionAffinity(Plugin[SessionParams]):
             )
         return [1.0 if choice is not None and v.id == choice.id else 0.0 for v in candidates]
 
-    def _placed_by_cache(self, route: Route, candidates: Sequence[ReplicaView]) -> bool:
+    def _placed_by_cache(
+        self, route: Route, candidates: Sequence[ReplicaView], cycle: Cycle
+    ) -> bool:
         """The replicas' KV events tell them apart for this prompt: some hold more of it."""
         events = self.deps.kv_events
-        if route.token_ids is None or events is None or not candidates:
+        if route.token_ids is None or events is None:
             return False
-        return events.tells_apart(
-            (v.id for v in candidates), route.token_ids, candidates[0].block_size)
+        held = {cycle.cached_blocks(events, route, view) for view in candidates} - {None}
+        return len(held) > 1
 
     async def pick(
         self, route: Route, ranking: Ranking, favourite: str | None, params: SessionParams

@@ -10,6 +10,7 @@ from kvgate.fleet.kv_wire import Event
 from kvgate.metrics import Metrics
 from kvgate.routing.bounded import BoundedLoad
 from kvgate.routing.plugins.prefix_affinity import PrefixAffinity, hash_order, preferred
+from kvgate.routing.ranking import Cycle
 from kvgate.routing.route import Route
 from kvgate.routing.router import Router
 from tests.plugins.metrics import sample_value
@@ -21,11 +22,11 @@ PARAMS = PrefixAffinity.settings(RoutingConfig(), {})
 async def test_prefix_affinity_sends_one_prefix_to_one_replica_while_it_is_within_bounds():
     f = fleet(replica("a"), replica("b"), replica("c"), replica("d"))
     plugin = PrefixAffinity(deps())
-    scores = await plugin.score(route(prefix="sys-1"), list(f), f, PARAMS)
+    scores = await plugin.score(route(prefix="sys-1"), list(f), f, PARAMS, Cycle())
     assert sorted(scores) == [0.0, 0.0, 0.0, 1.0]
-    again = await PrefixAffinity(deps()).score(route(prefix="sys-1"), list(f), f, PARAMS)
+    again = await PrefixAffinity(deps()).score(route(prefix="sys-1"), list(f), f, PARAMS, Cycle())
     assert again == scores  # the same on every call, and on every instance
-    none = await plugin.score(route(prefix=None), list(f), f, PARAMS)
+    none = await plugin.score(route(prefix=None), list(f), f, PARAMS, Cycle())
     assert none == [0.0] * 4
 
 
@@ -87,25 +88,25 @@ async def test_with_kv_events_the_replica_holding_most_of_the_prompt_scores_high
     events = indexed({"a": DOCUMENT[:16 * 2], "b": DOCUMENT, "c": []})
     plugin = PrefixAffinity(replace(deps(), kv_events=events))
     question = DOCUMENT + [7] * 40  # the document, then this user's question
-    assert await plugin.score(precise_route(question), list(f), f, PARAMS) == [0.25, 1.0, 0.0]
+    assert await plugin.score(precise_route(question), list(f), f, PARAMS, Cycle()) == [0.25, 1.0, 0.0]
 
 
 async def test_a_replica_beyond_its_bounded_share_scores_nothing_whatever_it_holds():
     f = fleet(replica("a"), replica("b"), replica("c"), reserved={"b": 900, "a": 10, "c": 10})
     events = indexed({"a": DOCUMENT[:16 * 2], "b": DOCUMENT, "c": []})
     plugin = PrefixAffinity(replace(deps(), kv_events=events))
-    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [1.0, 0.0, 0.0]
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS, Cycle()) == [1.0, 0.0, 0.0]
 
 
 async def test_without_token_ids_events_or_any_block_held_the_fingerprint_decides():
     f = fleet(replica("a"), replica("b"), replica("c"))
-    fingerprint = await PrefixAffinity(deps()).score(route(prefix="sys"), list(f), f, PARAMS)
+    fingerprint = await PrefixAffinity(deps()).score(route(prefix="sys"), list(f), f, PARAMS, Cycle())
     events = indexed({"a": [], "b": [], "c": []})  # subscribed, but nobody holds this prompt
     plugin = PrefixAffinity(replace(deps(), kv_events=events))
-    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == fingerprint
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS, Cycle()) == fingerprint
     held = PrefixAffinity(replace(deps(), kv_events=indexed({"b": DOCUMENT})))
-    assert await held.score(route(prefix="sys"), list(f), f, PARAMS) == fingerprint  # no ids
-    assert await PrefixAffinity(deps()).score(precise_route(DOCUMENT), list(f), f, PARAMS) == (
+    assert await held.score(route(prefix="sys"), list(f), f, PARAMS, Cycle()) == fingerprint  # no ids
+    assert await PrefixAffinity(deps()).score(precise_route(DOCUMENT), list(f), f, PARAMS, Cycle()) == (
         fingerprint)  # no events at all
 
 
@@ -113,7 +114,7 @@ async def test_an_evicted_prefix_stops_attracting_its_requests_with_the_event_th
     f = fleet(replica("a"), replica("b"))
     events = indexed({"a": [], "b": DOCUMENT})
     plugin = PrefixAffinity(replace(deps(), kv_events=events))
-    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [0.0, 1.0]
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS, Cycle()) == [0.0, 1.0]
     events.states["b"].index.apply(Event("removed", tuple(range(8))))  # one batch: all evicted
     events.states["a"].index.apply(Event("stored", (50, 51), None, tuple(DOCUMENT[:32]), 16))
-    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS) == [1.0, 0.0]
+    assert await plugin.score(precise_route(DOCUMENT), list(f), f, PARAMS, Cycle()) == [1.0, 0.0]

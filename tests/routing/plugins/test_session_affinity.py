@@ -7,6 +7,7 @@ from kvgate.config import RoutingConfig
 from kvgate.metrics import Metrics
 from kvgate.routing.plugins.prefix_affinity import hash_order
 from kvgate.routing.plugins.session_affinity import SessionAffinity
+from kvgate.routing.ranking import Cycle
 from kvgate.routing.router import Router
 from kvgate.routing.sessions import Sessions
 from kvgate.state.memory import MemoryStore
@@ -23,15 +24,15 @@ async def test_session_scores_the_bound_replica_only():
     scorer = SessionAffinity(deps(store))
     # unbound: the first replica in the session key's own hash order
     first = hash_order("s1", list(f))[0].id
-    assert await scorer.score(route(session="s1"), list(f), f, PARAMS) == [
+    assert await scorer.score(route(session="s1"), list(f), f, PARAMS, Cycle()) == [
         1.0 if v.id == first else 0.0 for v in f
     ]
     await store.bind(Sessions.store_key("s2"), "b", 60)
-    assert await scorer.score(route(session="s2"), list(f), f, PARAMS) == [0.0, 1.0]
+    assert await scorer.score(route(session="s2"), list(f), f, PARAMS, Cycle()) == [0.0, 1.0]
     # a bound replica over its bounded share is not preferred: the session will be rebound
     hot = fleet(replica("a"), replica("b"), reserved={"a": 10, "b": 900})
-    assert await scorer.score(route(session="s2"), list(hot), hot, PARAMS) == [1.0, 0.0]
-    assert await scorer.score(route(session=None), list(f), f, PARAMS) == [0.0, 0.0]
+    assert await scorer.score(route(session="s2"), list(hot), hot, PARAMS, Cycle()) == [1.0, 0.0]
+    assert await scorer.score(route(session=None), list(f), f, PARAMS, Cycle()) == [0.0, 0.0]
 
 
 def test_its_parameters_default_to_routing_sessions_and_bounded_load():
@@ -46,7 +47,7 @@ async def test_an_unbound_session_is_not_held_for_the_replica_it_scored():
     # the hold is worth it only where the session's cache already is
     ranking = await Router(deps()).rank(route(session="new"), fleet(replica("a"), replica("b")),
                                         CONFIG)
-    assert ranking.favourites["session"] in ("a", "b") and ranking.hold is None
+    assert ranking.cycle.favourites["session"] in ("a", "b") and ranking.hold is None
 
 
 async def test_the_held_replica_alone_is_usable_during_the_hold_unless_it_is_busy():
@@ -84,8 +85,8 @@ async def test_a_new_session_whose_prompt_the_kv_events_can_place_leaves_it_to_t
     scorer = SessionAffinity(replace(deps(store), kv_events=indexed({"a": DOCUMENT, "b": []})))
     base = route(session="s1")
     placed = Route(base.demand, session_key="s1", token_ids=tuple(DOCUMENT))
-    assert await scorer.score(placed, list(f), f, PARAMS) == [0.0, 0.0]
-    assert sum(await scorer.score(base, list(f), f, PARAMS)) == 1.0  # no token ids: its hash
+    assert await scorer.score(placed, list(f), f, PARAMS, Cycle()) == [0.0, 0.0]
+    assert sum(await scorer.score(base, list(f), f, PARAMS, Cycle())) == 1.0  # no token ids: its hash
     await store.bind(Sessions.store_key("s2"), "b", 60)
     bound = Route(base.demand, session_key="s2", token_ids=tuple(DOCUMENT))
-    assert await scorer.score(bound, list(f), f, PARAMS) == [0.0, 1.0]
+    assert await scorer.score(bound, list(f), f, PARAMS, Cycle()) == [0.0, 1.0]
