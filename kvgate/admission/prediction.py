@@ -77,15 +77,17 @@ SOURCES = (*(name for name, _ in LEVELS), "prior")
 class Lengths:
     """The last `window` answer lengths of one key, kept sorted, with their running sum."""
 
-    __slots__ = ("_recent", "_sorted", "_tails", "_window")
+    __slots__ = ("_reads", "_recent", "_sorted", "_tails", "_window")
 
     def __init__(self, window: int) -> None:
         self._window = window
         self._recent: deque[int] = deque()
         self._sorted: list[int] = []
-        # _tails[i] = sum(_sorted[i:]), made on the first read after a change: the ledger
-        # reads every running answer's forecast several times a second
+        # _tails[i] = sum(_sorted[i:]), made on the second read after a change: the ledger
+        # reads every running answer's forecast several times a second, while under a steady
+        # arrival of requests every answer changes the window before the next one reads it
         self._tails: list[int] | None = None
+        self._reads = 0  # since the last change
 
     def __len__(self) -> int:
         return len(self._sorted)
@@ -96,7 +98,7 @@ class Lengths:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._recent.append(tokens)
         bisect.insort(self._sorted, tokens)
-        self._tails = None
+        self._tails, self._reads = None, 0
 
     def quantile(self, q: float) -> int:
         ordered = self._sorted
@@ -114,6 +116,9 @@ class Lengths:
         if first == len(ordered):
             return None
         if self._tails is None:
+            self._reads += 1
+            if self._reads < 2:
+                return sum(ordered[first:]) / (len(ordered) - first)
             self._tails = list(itertools.accumulate(reversed(ordered)))[::-1]
         return self._tails[first] / (len(ordered) - first)
 

@@ -89,6 +89,12 @@ async def read_body(request: web.Request, limit: int, timeout_s: float | None = 
     would hold its connection and its handler as long as the client likes)."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
+    content = request.content
+    if content.is_eof():  # it has all arrived (a small body, usually): nothing to wait for
+        body = await content.read()
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        return body
     chunks = []
     size = 0
     try:

@@ -143,11 +143,7 @@ class Router:
 
     async def rank(self, route: Route, fleet: Fleet, config: RoutingConfig) -> Ranking:
         plan = self.plan(config)
-        candidates = [
-            v for v in fleet.in_pool(route.demand.pool)
-            if all(f(route, v) for f in FILTERS)
-            and all(s.plugin.keeps(route, v, s.params) for s in plan.filters)
-        ]
+        candidates = [v for v in fleet.in_pool(route.demand.pool) if self.keeps(plan, route, v)]
         if not candidates:
             return Ranking([], fleet=fleet)
         totals = [0.0] * len(candidates)
@@ -182,6 +178,18 @@ class Router:
                 route, ranking, ranking.cycle.favourites.get(step.name), replica_id, status,
                 step.params,
             )
+
+    @staticmethod
+    def keeps(plan: Plan, route: Route, view: ReplicaView) -> bool:
+        """Every filter keeps `view` for the route: the fixed ones, then the plugins'. Loops,
+        not all() over generators: this runs for every replica on every ranking."""
+        for keep in FILTERS:
+            if not keep(route, view):
+                return False
+        for step in plan.filters:  # noqa: SIM110
+            if not step.plugin.keeps(route, view, step.params):
+                return False
+        return True
 
     def plan(self, config: RoutingConfig) -> Plan:
         """The hooks `config` runs (names and parameters were checked with the config,
