@@ -24,7 +24,7 @@ decode_seqs * decode_seq_s`.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvgate.sim.blocks import Block, BlockPool
@@ -53,6 +53,8 @@ class Engine:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
+        # told of each request as it finishes (a test's or a tool's observer)
+        self.on_finish: Callable[[SimRequest], None] | None = None
         self._rng = random.Random(config.seed)
         self._filler = tuple(filler_token_ids)
 
@@ -316,6 +318,8 @@ class Engine:
         request.finished_time = end
         del self.requests[request.request_id]
         self.stats.finished += 1
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     # ------------------------------------------------------------------ inspection
 

@@ -84,7 +84,8 @@ async def test_only_requests_that_waited_are_counted_as_queued(stub_factory, gat
         first = await s.post(url, json=chat(max_tokens=200, stream=True))
         await first.content.readuntil(b"\n\n")
         second = asyncio.create_task(post(s, gw.url, chat(max_tokens=200)))
-        await asyncio.sleep(0.2)  # it waits: the first holds the ledger
+        queue = gw.gateway.admission.pool("default").queue
+        await eventually(lambda: len(queue) == 1, what="the second queued behind the first")
         gate.set()
         await first.read()
         first.release()

@@ -44,14 +44,12 @@ async def light_behind_a_burst(sim_factory, gateway_factory, caplog, light: str)
     sim = await sim_factory(**SIM)
     gw = await gateway_factory(config(sim.url, light))
     engine, in_vllm = sim.runtime.engine, []
-    finish = engine._finish
 
-    def finished(request: Any, *args: Any) -> None:
+    def finished(request: Any) -> None:
         if request.max_tokens == LIGHT_MAX_TOKENS:
             in_vllm.append(request.first_scheduled_time - request.arrival_time)
-        finish(request, *args)
 
-    engine._finish = finished
+    engine.on_finish = finished
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
 
         async def one(key: str, i: int, max_tokens: int) -> None:
