@@ -113,10 +113,14 @@ def _fault_middleware(replica: SimReplica) -> Middleware:
     @web.middleware
     async def faults(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1"):
-            if replica.faults.latency_s > 0:
-                await asyncio.sleep(replica.faults.latency_s)
-            while replica.faults.hang:
-                await replica.faults_changed()
+            replica.held_by_faults += 1
+            try:
+                if replica.faults.latency_s > 0:
+                    await asyncio.sleep(replica.faults.latency_s)
+                while replica.faults.hang:
+                    await replica.faults_changed()
+            finally:
+                replica.held_by_faults -= 1
             if replica.faults.draw_error(replica.fault_rng):
                 raise ApiError(500, "Simulated internal server error (fault injection).")
         return await handler(request)

@@ -55,6 +55,7 @@ class SimReplica:
         # across restarts, as the HTTP port is
         self.kv_events_endpoints: dict[str, str] | None = None
         self.starts = 0
+        self.held_by_faults = 0  # /v1 requests waiting out added latency or a hang right now
 
     # ------------------------------------------------------------------ accessors
 

@@ -46,7 +46,7 @@ async def test_added_latency_delays_the_answer(
 ) -> None:
     replica.faults = Faults(latency_s=0.3)
     pending = asyncio.ensure_future(post_chat(http, replica))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: replica.held_by_faults == 1, what="the request held by the latency")
     assert not pending.done()
     assert await pending == 200
 
@@ -100,7 +100,7 @@ async def test_a_hung_request_is_answered_once_the_fault_is_cleared(
 ) -> None:
     replica.faults = Faults(hang=True)
     pending = asyncio.ensure_future(post_chat(http, replica))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: replica.held_by_faults == 1, what="the request hung")
     assert not pending.done()
     async with http.delete(replica.url + "/sim/faults") as response:
         assert response.status == 200
