@@ -91,7 +91,7 @@ async def measure(rate: int, batch: int, seconds: float, layout: str) -> dict[st
     bound = await asyncio.to_thread(endpoints.get, True, 30)
     state = ReplicaEvents(BlockIndex(1_000_000))
     metrics = Metrics()
-    subscriber = Subscriber("r0", "default", bound["endpoint"], bound["replay_endpoint"],
+    subscriber = Subscriber("r0", bound["endpoint"], bound["replay_endpoint"],
                             KvEventsConfig(), state, metrics)
     task = asyncio.create_task(subscriber.run())
     while state.sequencer.last is None:  # noqa: ASYNC110 (polls the subscriber's state)

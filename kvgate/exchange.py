@@ -4,11 +4,12 @@ by one writer:
 
     edge      request_id, key, started, headers, rt      Exchange.arriving
     handler   endpoint, raw                              the plane reads the body
-    front     model, tenant_name, fingerprint (as each   FrontStage.take, as it learns them
-              is learned: a refusal is labelled by them)
-              front (parsed, count, edited), tenant      Gateway.take_front
+    front     model, tenant_name (as each is learned:    FrontStage.take, as it learns them
+              a refusal is labelled by them)
+              front (parsed, count, edited, fingerprint, Gateway.take_front
+              the tenant as it runs)
     size      sized (terms, pool, bound), arrival        Gateway.size
-    plan      planned (demand, route, payload)           Gateway.plan; exclude, on failover
+    plan      planned (route, payload)                   Gateway.plan; exclude, on failover
     charge    charge                                     the budgets' context
     attempts  attempts, ranking, slot, response, since   Gateway.attempt, the attempts stage
     settle    settling, charged_tokens                   Settlement.settle
@@ -59,9 +60,9 @@ class Sized:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """What to reserve, where the request prefers to run, and the body to send."""
+    """Where the request prefers to run and what to reserve there (its route's demand), and
+    the body to send."""
 
-    demand: Demand
     route: Route
     payload: bytes  # the client's bytes unless kvgate edited them
 
@@ -78,7 +79,6 @@ class Exchange:
     # front: labels as the front learns them, then its result
     model: str = "unknown"
     tenant_name: str = "unknown"
-    fingerprint: str | None = None  # the normalized system prompt and tools
     front: Front | None = None  # its tenant as the request runs (under its objective)
     # size
     sized: Sized | None = None
@@ -141,7 +141,7 @@ class Exchange:
     @property
     def demand(self) -> Demand:
         assert self.planned is not None, "read before the plan"
-        return self.planned.demand
+        return self.planned.route.demand
 
     @property
     def route(self) -> Route:

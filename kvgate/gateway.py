@@ -89,10 +89,7 @@ class Gateway:
     def __post_init__(self) -> None:
         self.sizing = Sizing(self.calibration, self.metrics, self.lengths)
         self.attempts = Attempts(self.breakers, self.metrics)
-        self.settlement = Settlement(
-            self.budgets, self.calibration, self.lengths, self.sizing, self.metrics,
-            lambda: self.http,
-        )
+        self.settlement = Settlement(self.budgets, self.sizing, lambda: self.http)
 
     def connect(self, http: HttpTransport) -> HttpTransport | None:
         """Send from now on over `http`; the transport it replaces, if any (its requests
@@ -170,7 +167,7 @@ class Gateway:
         route = Route(
             demand, session_key(x.parsed, x.headers, config.routing.sessions, x.tenant.name),
             # the normalized system prompt and tools; else the first message's text
-            prefix=x.fingerprint or demand.prefix_key,
+            prefix=x.front.fingerprint or demand.prefix_key,
             holder=x.key,  # a half-open replica's trial is claimed by this request
             token_ids=x.count.token_ids,
             exclude=self.registry.outside(plane.subset),
@@ -180,17 +177,17 @@ class Gateway:
             x.parsed, x.bound, None if x.front.edited else x.raw, ask_usage=plane.sees_body,
             priority=priority,
         )
-        x.planned = Planned(demand, route, payload)
+        x.planned = Planned(route, payload)
 
     async def attempt(self, plane: Plane[T], x: Exchange) -> T:
         """One attempt: admit on the best replica with room, forward, relay, and begin the
         settling while the slot is still held (its store calls start now, so the release on
         leaving the block goes in the same round trip)."""
         x.ranking = None
-        tenant = x.rt.config.tenant(x.route.demand.tenant)
+        tenant = x.rt.config.tenant(x.demand.tenant)
         target_s = tenant.ttft_target_s if tenant is not None else None  # over its class's
         async with self.admission.admit(
-            x.route.demand, functools.partial(self.rank, x), x.rt.config.admission, x.since, target_s
+            x.demand, functools.partial(self.rank, x), x.rt.config.admission, x.since, target_s
         ) as x.slot:
             slot = x.slot
             response = await self.forward(plane, x)
@@ -208,13 +205,12 @@ class Gateway:
         attempt.replica, attempt.decode_start = replica, replica.decode_clock.reading()
         attempt.body_seen = plane.sees_body
         x.slot.progress = written_tokens(x.parsed, x.bound, attempt)
-        demand = x.route.demand
-        replica.inflight[x.key] = Writing(
-            x.slot.progress, demand.shared_keys(replica.kv_block_size)
-        )
         prompt = x.route.prompt_keys(replica.kv_block_size)
         attempt.rank = self.kv_events.rank_for(replica.id, prompt)
         self.kv_events.expect(replica.id, prompt, attempt.rank)
+        replica.inflight[x.key] = Writing(  # `ended` takes it back, however this ends
+            x.slot.progress, x.demand.shared_keys(replica.kv_block_size)
+        )
         try:
             x.response = await plane.transport.send(x.upstream_request())
             return await plane.deliver(

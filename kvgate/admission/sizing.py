@@ -20,6 +20,13 @@ from kvgate.request.tokens import PromptCount
 from kvgate.runtime import Runtime
 
 
+def fit_of(rt: Runtime, parsed: ParsedRequest, count: PromptCount) -> tuple[Terms, str]:
+    """Where the calibration of kvgate's count starts for the request (the catalog's prior),
+    and the fit its count belongs to (by endpoint, and how it was counted)."""
+    return (rt.catalog.prior(parsed.model, parsed.endpoint, count),
+            count.fit_name(parsed.endpoint.name.lower()))
+
+
 @dataclass(slots=True)
 class Sizing:
     calibration: Calibration
@@ -27,8 +34,7 @@ class Sizing:
     lengths: LengthModel  # observed answer lengths, by shape
 
     def terms(self, rt: Runtime, parsed: ParsedRequest, count: PromptCount) -> Terms:
-        prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
-        endpoint = count.fit_name(parsed.endpoint.name.lower())
+        prior, endpoint = fit_of(rt, parsed, count)
         terms = self.calibration.terms(parsed.model, endpoint, prior, rt.config.calibration)
         if terms.floored(count.features):  # the fit would have counted it short: raw count won
             self.metrics.calibration_floored.labels(parsed.model, endpoint).inc()

@@ -79,8 +79,7 @@ def ranks_of(replica: Replica) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class _Running:
-    subscriber: Subscriber
-    task: asyncio.Task[None]
+    task: asyncio.Task[None]  # the subscriber's run
     where: Where
 
 
@@ -99,10 +98,6 @@ class KvEvents:
         """A stream's index (a replica's, for rank 0), while it can be trusted; else None."""
         state = self.states.get(stream)
         return None if state is None or state.sequencer.last is None else state.index
-
-    def trusted(self, replica_id: str) -> bool:
-        """Whether the replica's events are followed: some rank's index can be trusted."""
-        return bool(self._trusted(replica_id))
 
     def _trusted(self, replica_id: str) -> list[ReplicaEvents]:
         states = (self.states.get(s) for s in self._streams.get(replica_id, (replica_id,)))
@@ -239,11 +234,10 @@ class KvEvents:
         state.engine_started_at = started or state.engine_started_at
         if running is None and replica.healthy:
             endpoint, replay, _ = where
-            subscriber = Subscriber(stream, replica.pool, endpoint, replay, settings, state,
-                                    self.metrics)
+            subscriber = Subscriber(stream, endpoint, replay, settings, state, self.metrics)
             task = asyncio.get_running_loop().create_task(
                 subscriber.run(), name=f"kv-events-{stream}")
-            self._running[stream] = _Running(subscriber, task, where)
+            self._running[stream] = _Running(task, where)
 
     def _stop(self, stream: str) -> None:
         running = self._running.pop(stream, None)

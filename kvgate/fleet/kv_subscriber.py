@@ -125,10 +125,10 @@ class Subscriber:
     """One stream's events into its `ReplicaEvents`, until cancelled."""
 
     def __init__(
-        self, stream: str, pool: str, endpoint: str, replay_endpoint: str | None,
+        self, stream: str, endpoint: str, replay_endpoint: str | None,
         settings: KvEventsConfig, state: ReplicaEvents, metrics: Metrics,
     ) -> None:
-        self.stream, self.pool = stream, pool
+        self.stream = stream
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.settings, self.state, self.metrics = settings, state, metrics
         self._ctx = zmq.asyncio.Context.instance()

@@ -60,7 +60,6 @@ class Labels(Protocol):
 
     model: str
     tenant_name: str
-    fingerprint: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +127,8 @@ class FrontStage:
         model: str | None = None,
     ) -> Front:
         """Parse (400), identify the tenant (401), `allow` it the model (403, 404), prepare and
-        count the prompt; `labels` learn the model, the tenant and the fingerprint as each is
-        known, whatever is raised after. `model`: the model to serve it as, where the gateway
+        count the prompt; `labels` learn the model and the tenant as each is known, whatever
+        is raised after. `model`: the model to serve it as, where the gateway
         rewrites the client's."""
         if len(raw) > self.off_process_bytes or raw.count(b"{") > self.off_process_objects:
             return await self._take_off_process(raw, endpoint, rt, labels, identify, allow, model)
@@ -139,9 +138,9 @@ class FrontStage:
         tenant = identify()
         labels.tenant_name = tenant.name
         allow(as_sent, tenant)
-        parsed, labels.fingerprint = self.prompts.apply(as_sent, tenant, rt.config)
+        parsed, fingerprint = self.prompts.apply(as_sent, tenant, rt.config)
         count = await rt.catalog.count(parsed)
-        return Front(parsed, parsed is not client, tenant, labels.fingerprint, count)
+        return Front(parsed, parsed is not client, tenant, fingerprint, count)
 
     async def _take_off_process(
         self,
@@ -173,7 +172,6 @@ class FrontStage:
         allow(taken.request, tenant)  # by its model: normalization leaves that as it was
         prepared = replace(taken.prepared, request=heavy(taken.request))
         self.prompts.took(prepared, tenant, rt.config)
-        labels.fingerprint = prepared.fingerprint
         if taken.count_error is not None:
             raise taken.count_error
         assert taken.count is not None

@@ -8,23 +8,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from kvgate.admission.prediction import LengthModel
 from kvgate.admission.progress import processed_tokens
-from kvgate.admission.sizing import Sizing
+from kvgate.admission.sizing import Sizing, fit_of
 from kvgate.exchange import Exchange
-from kvgate.metrics import Metrics
-from kvgate.request.calibration import Calibration, Observed
+from kvgate.request.calibration import Observed
 from kvgate.tenants import Budgets
 from kvgate.transport.http import HttpTransport
 
 
 class Settlement:
+    """Settles through `budgets`; learns through `sizing`'s calibration and answer lengths,
+    counts in its metrics; `http`: the transport in use, for a replica's figures."""
+
     def __init__(
-        self, budgets: Budgets, calibration: Calibration, lengths: LengthModel, sizing: Sizing,
-        metrics: Metrics, http: Callable[[], HttpTransport | None],
+        self, budgets: Budgets, sizing: Sizing, http: Callable[[], HttpTransport | None]
     ) -> None:
-        self.budgets, self.calibration, self.lengths = budgets, calibration, lengths
-        self.sizing, self.metrics, self.http = sizing, metrics, http
+        self.budgets, self.sizing, self.http = budgets, sizing, http
+        self.calibration, self.lengths = sizing.calibration, sizing.lengths
+        self.metrics = sizing.metrics
 
     async def settle(self, x: Exchange) -> None:
         """Correct the tenant's charge to what the replica processed in the last attempt;
@@ -55,8 +56,7 @@ class Settlement:
     def calibrate(self, x: Exchange, prompt_tokens: int) -> None:
         """The replica's own count of the prompt teaches the calibration of kvgate's."""
         parsed, count, rt = x.parsed, x.count, x.rt
-        prior = rt.catalog.prior(parsed.model, parsed.endpoint, count)
-        endpoint = count.fit_name(parsed.endpoint.name.lower())
+        prior, endpoint = fit_of(rt, parsed, count)
         observed = self.calibration.observe(
             parsed.model, endpoint, count.features, prompt_tokens, prior, rt.config.calibration
         )  # its gauges follow once a second (app.calibration_gauges)

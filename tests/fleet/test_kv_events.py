@@ -185,7 +185,7 @@ async def started(replica: SimReplica, state: ReplicaEvents | None = None) -> tu
     endpoints = replica.kv_events_endpoints
     assert endpoints is not None
     state = state or ReplicaEvents(BlockIndex(replica.config.num_gpu_blocks))
-    subscriber = Subscriber("a", "default", endpoints["endpoint"], endpoints["replay_endpoint"],
+    subscriber = Subscriber("a", endpoints["endpoint"], endpoints["replay_endpoint"],
                             SETTINGS, state, Metrics())
     return subscriber, state, asyncio.create_task(subscriber.run())
 
@@ -333,7 +333,7 @@ async def test_without_a_replay_socket_a_gap_is_counted_and_the_batch_still_appl
             await complete(http, replica, f"{i} " + PROMPT)
     batches = await replay(replica, raw=True)
     state = ReplicaEvents(BlockIndex(64))
-    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
+    subscriber = Subscriber("a", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
     await subscriber.receive(*batches[0])
     await subscriber.receive(*batches[2])
     assert state.gaps == 1 and state.sequencer.last == batches[2][0]
@@ -502,7 +502,7 @@ async def test_a_subscription_made_again_starts_from_an_empty_index_and_a_replay
 def test_blocks_under_a_parent_the_index_never_saw_are_counted_and_reported():
     events = KvEvents(Metrics())
     state = events.states["a"] = ReplicaEvents(BlockIndex(100))
-    subscriber = Subscriber("a", "default", "tcp://x:1", None, SETTINGS, state, events.metrics)
+    subscriber = Subscriber("a", "tcp://x:1", None, SETTINGS, state, events.metrics)
     payload = msgspec.msgpack.encode(sim_events.KVEventBatch(ts=1.0, events=[
         sim_events.BlockStored(block_hashes=[5, 6], parent_block_hash=99, token_ids=[1, 2, 3, 4],
                                block_size=2, lora_id=None, medium="GPU", lora_name=None),
@@ -609,7 +609,7 @@ async def test_a_replay_answered_without_the_topic_frame_as_earlier_vllm_did_is_
 
     server = asyncio.create_task(serve())
     state = ReplicaEvents(BlockIndex(64))
-    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}",
+    subscriber = Subscriber("a", "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}",
                             SETTINGS, state, Metrics())
     try:
         await subscriber.receive(0, batch)  # first: replays from 0, three-frame answers
@@ -621,7 +621,7 @@ async def test_a_replay_answered_without_the_topic_frame_as_earlier_vllm_did_is_
 
 async def test_whatever_a_producer_sends_the_subscriber_reads_on():
     state = ReplicaEvents(BlockIndex(64))
-    subscriber = Subscriber("a", "p", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
+    subscriber = Subscriber("a", "tcp://127.0.0.1:1", None, SETTINGS, state, Metrics())
     unhashable = msgspec.msgpack.encode(
         {"ts": 1.0, "events": [["BlockRemoved", [[1, 2]]]]})  # a hash that is a list
     for seq, payload in enumerate((b"\xc1", unhashable, msgspec.msgpack.encode([1.0, []]))):

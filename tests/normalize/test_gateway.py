@@ -166,7 +166,7 @@ async def test_the_request_carries_its_prefix_fingerprint_for_routing(stub_facto
         await post(gw, {"model": "stub-model", "messages": [{"role": "user", "content": "x"}]})
     finally:
         await runner.cleanup()
-    keys = [x.fingerprint for x in seen]
+    keys = [x.front.fingerprint for x in seen]
     assert keys[0] == keys[1] and isinstance(keys[0], str) and keys[2] is None
 
 

@@ -86,7 +86,7 @@ def stages() -> Iterator[tuple[FrontStage, FrontStage]]:
 
 
 class Labels:
-    model, tenant, fingerprint = "unknown", "unknown", None
+    model, tenant_name = "unknown", "unknown"
 
 
 def allow(parsed: ParsedRequest, tenant: TenantConfig) -> None:

@@ -33,7 +33,7 @@ STREAMED = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
 def exchange(rt: Runtime = RETRY_ONCE, stream: bool = False) -> Exchange:
     x = Exchange("req", "key", 0.0, {}, rt, Endpoint.CHAT)
     demand = Demand("default", "m", 100, "t", "normal")
-    x.planned = Planned(demand, Route(demand), b'{"stream": true}' if stream else b"{}")
+    x.planned = Planned(Route(demand), b'{"stream": true}' if stream else b"{}")
     return x
 
 
